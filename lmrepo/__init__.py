@@ -1,0 +1,1 @@
+"""lmrepo: Hydra-configured GPT-2 / BERT training on DeepSpeed."""

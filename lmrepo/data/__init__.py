@@ -1,0 +1,1 @@
+"""Corpus -> token files (once, cached) -> fixed-length blocks -> per-rank batches."""

@@ -1,0 +1,77 @@
+"""Model inputs from blocks: causal-LM pairs for GPT-2, dynamically masked MLM batches for BERT."""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorForLanguageModeling
+
+from lmrepo.data.batches import StepOrder, TokenBlocks, eval_indices
+from lmrepo.data.prepare import open_tokens
+from lmrepo.errors import ConfigError
+
+
+class CausalInputs:
+    def __call__(self, blocks: torch.Tensor, seeds: list[int]) -> dict:
+        # transformers shifts the labels inside the model's loss.
+        return {"input_ids": blocks, "labels": blocks}
+
+
+class MaskedInputs:
+    """[CLS] block [SEP], then BERT's 15% masking (80% [MASK], 10% random, 10% kept) by transformers."""
+
+    def __init__(self, tokenizer):
+        self.cls, self.sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+        self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15, return_tensors="pt")
+
+    def __call__(self, blocks: torch.Tensor, seeds: list[int]) -> dict:
+        n = blocks.shape[0]
+        ids = torch.cat([torch.full((n, 1), self.cls), blocks, torch.full((n, 1), self.sep)], dim=1)
+        # Each sample's mask depends only on its own seed (run seed, step, block index), so a
+        # resumed run, or another rank layout of the same global batch, masks the same tokens.
+        rows = []
+        with torch.random.fork_rng(devices=[]):
+            for row, seed in zip(ids, seeds):
+                torch.manual_seed(seed)
+                rows.append(self.collator([{"input_ids": row}]))
+        return {key: torch.cat([r[key] for r in rows]) for key in ("input_ids", "labels")}
+
+
+@dataclass
+class Layout:
+    global_batch: int
+    micro_batch: int
+    dp_rank: int
+    dp_size: int
+
+
+class LMData:
+    """What the loop asks for: the micro batches of a step, and the evaluation batches."""
+
+    def __init__(self, token_dir: Path, block_size: int, family: str, tokenizer, layout: Layout, seed: int,
+                 eval_batches: int):
+        # BERT's block holds the [CLS] and [SEP] it adds: block_size is the model's sequence length.
+        content = block_size - 2 if family == "bert" else block_size
+        self.inputs = MaskedInputs(tokenizer) if family == "bert" else CausalInputs()
+        self.train_blocks = TokenBlocks(open_tokens(token_dir, "train"), content)
+        self.val_blocks = TokenBlocks(open_tokens(token_dir, "val"), content)
+        self.layout, self.seed = layout, seed
+        if len(self.train_blocks) < layout.global_batch:
+            raise ConfigError(f"the training split has {len(self.train_blocks)} blocks of {block_size} tokens, fewer than "
+                              f"one global batch of {layout.global_batch}: use a larger corpus or lower data.block_size / the batch size")
+        if len(self.val_blocks) < layout.micro_batch * layout.dp_size:
+            raise ConfigError(f"the held-out split has {len(self.val_blocks)} blocks, fewer than one micro batch per rank: "
+                              "raise data.val_fraction or use a larger corpus")
+        self.order = StepOrder(len(self.train_blocks), layout.global_batch, layout.micro_batch,
+                               layout.dp_rank, layout.dp_size, seed)
+        self.eval_order = eval_indices(len(self.val_blocks), layout.micro_batch, layout.dp_rank, layout.dp_size, eval_batches)
+
+    def train_step(self, step: int) -> list[dict]:
+        return [self.inputs(self.train_blocks.get(idx), self._sample_seeds(step, idx))
+                for idx in self.order.micro_batches(step)]
+
+    def eval_batches(self) -> list[dict]:
+        return [self.inputs(self.val_blocks.get(idx), self._sample_seeds(-1, idx)) for idx in self.eval_order]
+
+    def _sample_seeds(self, step: int, indices) -> list[int]:
+        # hash() of a tuple of ints does not depend on PYTHONHASHSEED.
+        return [hash((self.seed, step, int(i))) & 0x7FFFFFFF for i in indices]

@@ -1,0 +1,52 @@
+"""The process group and the DeepSpeed engine around a plain transformers model."""
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from transformers.integrations import HfDeepSpeedConfig
+
+from lmrepo.launch import ensure_single_process_env
+from lmrepo.models import build_model
+
+
+def init_distributed() -> None:
+    ensure_single_process_env()
+    # gloo on CPU (ccl when oneCCL is installed), NCCL on CUDA: the accelerator knows.
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear and embedding weights), not on biases and norms (as nanoGPT)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            # Under ZeRO-3's zero.Init a parameter is an empty placeholder; ds_shape is its real shape.
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            (decay if ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def enable_activation_checkpointing(model, checkpointing, ds_config: dict) -> None:
+    if not checkpointing.enabled:
+        return
+    model.activation_checkpointing_enable(every_n_layers=checkpointing.every_n_layers)
+    if checkpointing.impl == "deepspeed":
+        # transformers' checkpointed layers call `_gradient_checkpointing_func`; DeepSpeed's
+        # version adds the ZeRO-R options of the `activation_checkpointing` section.
+        deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+        for module in model.modules():
+            if hasattr(module, "_gradient_checkpointing_func"):
+                module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
+
+
+def build_engine(model_cfg, checkpointing, ds_config: dict):
+    zero3 = None
+    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+        # While this object lives, transformers builds (and loads) the model under
+        # deepspeed.zero.Init: each rank materializes only its partition.
+        zero3 = HfDeepSpeedConfig(ds_config)
+    model = build_model(model_cfg)
+    enable_activation_checkpointing(model, checkpointing, ds_config)
+    weight_decay = ds_config["optimizer"]["params"].get("weight_decay", 0.0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay), config=ds_config)
+    engine.zero3_hf_config = zero3  # keep alive for the engine's lifetime
+    return engine

@@ -1,0 +1,65 @@
+"""Rank environment: what every process needs before Hydra parses and before a process group starts."""
+import os
+import socket
+import sys
+import time
+
+from omegaconf import OmegaConf
+
+
+def strip_local_rank_arg(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends `--local_rank=N`, which Hydra rejects; move it to LOCAL_RANK."""
+    kept, skip_next = [], False
+    for i, arg in enumerate(argv):
+        if skip_next:
+            skip_next = False
+        elif arg.startswith("--local_rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg == "--local_rank" and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            skip_next = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+def launch_time() -> float:
+    """One timestamp for all ranks of a launch: the launcher process's start (every local rank
+    has the same parent), so every rank's Hydra run dir has the same name. Plain `python`: now."""
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import psutil
+
+        return psutil.Process(os.getppid()).create_time()
+    return time.time()
+
+
+def register_resolvers() -> None:
+    stamp = launch_time()
+    if not OmegaConf.has_resolver("lmrepo_launch_time"):
+        OmegaConf.register_new_resolver(
+            "lmrepo_launch_time", lambda fmt: time.strftime(fmt, time.localtime(stamp))
+        )
+
+
+def prepare_argv() -> None:
+    sys.argv = strip_local_rank_arg(sys.argv)
+    register_resolvers()
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def ensure_single_process_env() -> None:
+    """A plain `python train.py` has no launcher: without these, deepspeed.init_distributed
+    falls back to MPI discovery and dies on the missing mpi4py."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

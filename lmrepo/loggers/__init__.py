@@ -1,0 +1,55 @@
+"""Where metrics go: metrics.jsonl always (the run-directory contract), plus the chosen logger."""
+import json
+from pathlib import Path
+
+
+class JsonlSink:
+    def __init__(self, run_dir: Path):
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def finish(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, record["step"])
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class Sinks:
+    """Fans each record out to every sink."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def log(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def finish(self) -> None:
+        for sink in self.sinks:
+            sink.finish()
+
+
+def build_sinks(logger, run_dir: Path, config: dict, ds_config: dict) -> Sinks:
+    sinks = [JsonlSink(run_dir)]
+    if logger.name == "tensorboard":
+        sinks.append(TensorBoardSink(run_dir))
+    elif logger.name == "wandb":
+        from lmrepo.loggers.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(logger, run_dir, config, ds_config))
+    return Sinks(sinks)

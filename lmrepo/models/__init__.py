@@ -1,0 +1,19 @@
+"""Model presets -> plain transformers models (random init, or a pretrained directory)."""
+from types import ModuleType
+
+from transformers import PreTrainedModel
+
+from lmrepo.models import bert, gpt2
+
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert}
+
+
+def build_model(model) -> PreTrainedModel:
+    family = FAMILIES[model.family]
+    if model.pretrained:
+        net = family.MODEL_CLASS.from_pretrained(model.pretrained, **family.dropout_overrides(model))
+    else:
+        net = family.MODEL_CLASS._from_config(family.hf_config(model))
+    # Training never reuses attention key/value caches.
+    net.config.use_cache = False
+    return net

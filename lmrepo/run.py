@@ -1,0 +1,96 @@
+"""One training job: validate -> prepare data -> process group -> engine -> fit -> close."""
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from transformers import set_seed
+
+from lmrepo import checkpoint, launch
+from lmrepo.config import check_vocab, detect_device, model_shape, validate
+from lmrepo.data.loader import Layout, LMData
+from lmrepo.data.prepare import prepare
+from lmrepo.engine import build_engine, init_distributed
+from lmrepo.errors import ConfigError, TrainingError
+from lmrepo.loggers import build_sinks
+from lmrepo.loop import Throughput, fit
+from lmrepo.metrics import device_name, flops_per_token, peak_tflops
+from lmrepo.rundir import remove_if_empty, write_config_files
+from lmrepo.tokenizer import load_tokenizer
+
+
+def fail(message: str, run_dir: Path | None, code: int = 2):
+    if launch.rank() == 0:
+        print(f"lmrepo: error: {message}", file=sys.stderr, flush=True)
+    if run_dir is not None:
+        remove_if_empty(run_dir)
+    raise SystemExit(code)
+
+
+def prepare_job(cfg: DictConfig, run_dir: Path):
+    """Everything that can reject the job, before any process group starts."""
+    device = detect_device(cfg.trainer.device)
+    ds_config, user_changed = validate(cfg, launch.world_size(), device)
+    try:
+        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.pretrained)
+    except OSError as err:
+        raise ConfigError(f"model.tokenizer={cfg.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
+    check_vocab(cfg.model, len(tokenizer))
+    resume_from = checkpoint.find_resume_path(cfg.run.resume, run_dir / "checkpoints")
+    token_dir = prepare(cfg.data, tokenizer)
+    return device, ds_config, user_changed, tokenizer, token_dir, resume_from
+
+
+def throughput_of(cfg: DictConfig, ds_config: dict, device) -> Throughput:
+    shape = model_shape(cfg.model)
+    ckpt = cfg.checkpointing
+    recomputed = -(-shape["n_layer"] // ckpt.every_n_layers) if ckpt.enabled else 0
+    args = (shape["n_embd"], cfg.data.block_size, shape["vocab_size"])
+    model_flops = flops_per_token(shape["n_layer"], *args, recompute=False)
+    # Recomputation re-runs the forward of the checkpointed blocks: a third more of their cost.
+    executed = model_flops + (flops_per_token(recomputed, *args, recompute=True)
+                              - flops_per_token(recomputed, *args, recompute=False)) if recomputed else model_flops
+    dtype = {"fp16": "fp16", "bf16": "bf16"}.get(next((k for k in ("fp16", "bf16") if ds_config.get(k, {}).get("enabled")), ""), "fp32")
+    return Throughput(
+        tokens_per_step=ds_config["train_batch_size"] * cfg.data.block_size,
+        flops_per_token=executed, model_flops_per_token=model_flops, world_size=launch.world_size(),
+        peak_tflops=peak_tflops(device_name(device.type), dtype, cfg.metrics.peak_tflops), device_type=device.type)
+
+
+def train(cfg: DictConfig) -> dict:
+    run_dir = Path(cfg.run.dir)
+    rank0 = launch.rank() == 0
+    try:
+        device, ds_config, user_changed, tokenizer, token_dir, resume_from = prepare_job(cfg, run_dir)
+    except ConfigError as err:
+        fail(str(err), run_dir)
+
+    init_distributed()
+    set_seed(cfg.trainer.seed)
+    if rank0:
+        write_config_files(run_dir, cfg, ds_config)
+        if user_changed:
+            print(f"lmrepo: deepspeed_config={cfg.deepspeed_config} sets {', '.join(user_changed)}", flush=True)
+    engine = build_engine(cfg.model, cfg.checkpointing, ds_config)
+    layout = Layout(global_batch=ds_config["train_batch_size"], micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+                    dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+    sinks = None
+    try:
+        data = LMData(token_dir, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
+                      cfg.trainer.eval_batches)
+        start_step = checkpoint.load(engine, *resume_from) if resume_from else 0
+        if rank0:
+            sinks = build_sinks(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), ds_config)
+        checkpoint_dir = run_dir / "checkpoints"
+        last = fit(engine, data, cfg.trainer, throughput_of(cfg, ds_config, device), sinks, start_step=start_step,
+                   save=lambda step: checkpoint.save(engine, checkpoint_dir, step, {}), is_rank0=rank0)
+    except (ConfigError, TrainingError) as err:
+        fail(str(err), None, code=1)
+    finally:
+        if sinks is not None:
+            sinks.finish()
+    if rank0:
+        summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float))
+        print(f"lmrepo: done at step {last.get('step')}: {summary}. Run directory: {run_dir}", flush=True)
+    dist.destroy_process_group()
+    return last

@@ -1,0 +1,30 @@
+"""The run directory contract (DESIGN.md): .hydra/ config, ds_config.json, metrics.jsonl, checkpoints/."""
+import json
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+
+def write_config_files(run_dir: Path, cfg: DictConfig, ds_config: dict) -> None:
+    """Rank 0, after validation: so a rejected config leaves nothing behind."""
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, hydra_dir / "config.yaml", resolve=True)
+    if HydraConfig.initialized():
+        hydra = HydraConfig.get()
+        OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra, resolve=False)}), hydra_dir / "hydra.yaml")
+        OmegaConf.save(OmegaConf.create(list(hydra.overrides.task)), hydra_dir / "overrides.yaml")
+    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+
+
+def remove_if_empty(run_dir: Path) -> None:
+    """Undo the empty directory Hydra makes before the job runs, and its empty parents."""
+    run_dir = run_dir.resolve()
+    for directory in (run_dir, *run_dir.parents):
+        if directory == Path.cwd() or directory == Path(directory.anchor):
+            return
+        try:
+            directory.rmdir()
+        except OSError:
+            return

