@@ -15,6 +15,9 @@ from lmrepo.ds_config import build_ds_config, merge_user_config
 from lmrepo.errors import ConfigError
 
 
+PIPELINE_SCHEDULES = ("none",)
+
+
 @dataclass(frozen=True)
 class Device:
     type: str            # "cuda", "cpu", ...
@@ -48,6 +51,8 @@ def check_trainer(t: DictConfig) -> None:
     _require(t.max_steps > 0, "trainer.max_steps must be > 0")
     _require(t.micro_batch_size is None or t.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1")
     _require(t.grad_accum is None or t.grad_accum >= 1, "trainer.grad_accum must be >= 1")
+    _require(t.global_batch_size is None or t.global_batch_size >= 1,
+             "trainer.global_batch_size must be >= 1 (or null to derive it)")
     _require(t.lr > 0, "trainer.lr must be > 0")
     _require(0 <= t.warmup_steps < t.max_steps,
              f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.max_steps={t.max_steps})")
@@ -100,6 +105,8 @@ def check_vocab(model: DictConfig, tokenizer_size: int) -> None:
 def check_layout(cfg: DictConfig, world_size: int) -> int:
     """Returns the data-parallel size."""
     stages = cfg.pipeline.stages
+    _require(cfg.pipeline.schedule in PIPELINE_SCHEDULES,
+             f"pipeline.schedule={cfg.pipeline.schedule} is not one of {', '.join(PIPELINE_SCHEDULES)}: choose a pipeline= option")
     _require(stages >= 1, "pipeline.stages must be >= 1")
     _require(cfg.pipeline.schedule != "none" or stages == 1,
              f"pipeline.stages={stages} needs a pipeline schedule: choose a pipeline= option or set pipeline.stages=1")
@@ -111,7 +118,8 @@ def check_layout(cfg: DictConfig, world_size: int) -> int:
 def check_deepspeed(ds: dict, cfg: DictConfig, device: Device) -> None:
     """Checks on the final DeepSpeed dict, so a user's JSON is held to the same rules."""
     if ds.get("fp16", {}).get("enabled"):
-        _require(device.fp16, f"fp16 is not supported on this {device.type} device: use precision=bf16 "
+        where = "set by deepspeed_config: disable fp16 there" if cfg.precision.dtype != "fp16" else "use precision=bf16"
+        _require(device.fp16, f"fp16 is not supported on this {device.type} device: {where} "
                               "(fp16 with dynamic loss scaling needs a GPU)")
     if ds.get("bf16", {}).get("enabled"):
         _require(device.bf16, f"bf16 is not supported on this {device.type} device: use precision=fp16 or fp32")
@@ -122,6 +130,8 @@ def check_deepspeed(ds: dict, cfg: DictConfig, device: Device) -> None:
     _require(stage in (0, 1, 2, 3), f"zero.stage={stage} is not 0-3: choose zero=stage0..stage3")
     optimizer_offload = zero.get("offload_optimizer", {}).get("device", "none")
     param_offload = zero.get("offload_param", {}).get("device", "none")
+    _require(optimizer_offload != "nvme" or stage == 3,
+             f"NVMe offload (ZeRO-Infinity) needs ZeRO-3: set zero=stage3 (it is stage {stage}), or offload=cpu")
     _require(optimizer_offload == "none" or stage >= 1,
              f"optimizer offload to {optimizer_offload} needs ZeRO stage >= 1: set zero=stage1, stage2 or stage3, or offload=none")
     _require(param_offload == "none" or stage == 3,
@@ -129,7 +139,6 @@ def check_deepspeed(ds: dict, cfg: DictConfig, device: Device) -> None:
     nvme_paths = {o.get("nvme_path") for o in (zero.get("offload_optimizer", {}), zero.get("offload_param", {}))
                   if o.get("device") == "nvme"}
     if nvme_paths:
-        _require(stage == 3, f"NVMe offload (ZeRO-Infinity) needs ZeRO-3: set zero=stage3 (it is stage {stage})")
         for path in nvme_paths:
             check_nvme_path(path)
         check_libaio()
@@ -140,8 +149,9 @@ def check_deepspeed(ds: dict, cfg: DictConfig, device: Device) -> None:
 def check_nvme_path(path: str | None) -> None:
     _require(bool(path), "offload.nvme_path must be set for offload=nvme")
     p = Path(path)
+    _require(not p.exists() or p.is_dir(), f"offload.nvme_path={path} is a file, not a directory: choose a directory")
     parent = p if p.exists() else p.parent
-    _require(parent.is_dir(), f"offload.nvme_path={path}: {parent} does not exist: create it or choose another path")
+    _require(parent.is_dir(), f"offload.nvme_path={path}: {parent} is not an existing directory: create it or choose another path")
     _require(os.access(parent, os.W_OK), f"offload.nvme_path={path} is not writable: choose a writable path")
 
 
@@ -156,8 +166,9 @@ def check_checkpointing(ckpt: DictConfig, model: DictConfig) -> None:
     if not ckpt.enabled:
         return
     _require(ckpt.impl in ("deepspeed", "torch"), "checkpointing.impl must be deepspeed or torch")
-    _require(1 <= ckpt.every_n_layers <= model.n_layer,
-             f"checkpointing.every_n_layers={ckpt.every_n_layers} must be in [1, model.n_layer={model.n_layer}]")
+    layers = model_shape(model)["n_layer"]
+    _require(1 <= ckpt.every_n_layers <= layers,
+             f"checkpointing.every_n_layers={ckpt.every_n_layers} must be in [1, {layers}] (the model's layers)")
     if ckpt.impl == "deepspeed":
         _require(not ckpt.cpu_checkpointing or ckpt.partition_activations,
                  "checkpointing.cpu_checkpointing needs checkpointing.partition_activations=true")

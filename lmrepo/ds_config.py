@@ -114,15 +114,25 @@ def merge_user_config(ours: dict, user: dict, dp_size: int, prefix: str = "") ->
         path = f"{prefix}{key}"
         if value == "auto":
             continue
-        if isinstance(value, dict) and isinstance(ours.get(key), dict):
+        # Another optimizer or scheduler type takes none of our params: the user's section replaces ours.
+        replaces = isinstance(value, dict) and "type" in value and value["type"] != ours.get(key, {}).get("type")
+        if isinstance(value, dict) and isinstance(ours.get(key), dict) and not replaces:
             merged[key], sub = merge_user_config(ours[key], value, dp_size, prefix=f"{path}.")
             changed += sub
         elif ours.get(key) != value:
             merged[key] = value
             changed.append(path)
     if not prefix:
+        _exclusive_precision(merged, user)
         _reconcile_batch(merged, user, dp_size)
     return merged, changed
+
+
+def _exclusive_precision(merged: dict, user: dict) -> None:
+    """A JSON that enables fp16 (or bf16) chooses the precision: ours is switched off."""
+    for chosen, other in (("fp16", "bf16"), ("bf16", "fp16")):
+        if user.get(chosen, {}).get("enabled") is True and merged.get(other, {}).get("enabled"):
+            merged[other] = {**merged[other], "enabled": False}
 
 
 def _reconcile_batch(merged: dict, user: dict, dp_size: int) -> None:
@@ -132,8 +142,10 @@ def _reconcile_batch(merged: dict, user: dict, dp_size: int) -> None:
     given = {k: user[k] for k in keys if k in user and user[k] != "auto"}
     if not given:
         return
-    if len(given) == 1 and "train_batch_size" not in given:
-        given.setdefault("gradient_accumulation_steps", merged["gradient_accumulation_steps"])
+    if len(given) == 1:
+        # One key alone: keep our micro batch and derive the rest from it.
+        if "train_batch_size" not in given:
+            given.setdefault("gradient_accumulation_steps", merged["gradient_accumulation_steps"])
         given.setdefault("train_micro_batch_size_per_gpu", merged["train_micro_batch_size_per_gpu"])
     try:
         triple = resolve_batch(given.get(keys[0]), given.get(keys[1]), given.get(keys[2]), dp_size)

@@ -40,9 +40,10 @@ def enable_activation_checkpointing(model, checkpointing, ds_config: dict) -> No
 
 def build_engine(model_cfg, checkpointing, ds_config: dict):
     zero3 = None
-    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+    if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
         # While this object lives, transformers builds (and loads) the model under
-        # deepspeed.zero.Init: each rank materializes only its partition.
+        # deepspeed.zero.Init: each rank materializes only its partition. Random init then
+        # draws in another order, so the weights differ from a run of another stage.
         zero3 = HfDeepSpeedConfig(ds_config)
     model = build_model(model_cfg)
     enable_activation_checkpointing(model, checkpointing, ds_config)

@@ -59,6 +59,7 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, start_step: int = 
     window_seconds, window_steps, last = 0.0, 0, {}
     for step in range(start_step, trainer.max_steps):
         step_start = time.perf_counter()
+        lr = engine.get_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
         # forward / backward over the micro batches; DeepSpeed steps the optimizer at the boundary
         micro_losses = []
         for batch in data.train_step(step):
@@ -72,12 +73,12 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, start_step: int = 
         window_seconds += time.perf_counter() - step_start
 
         # log: loss averaged over data-parallel ranks, throughput over the window since the last log
-        if done % trainer.log_every == 0 or done == trainer.max_steps:
+        if done % trainer.log_every == 0 or done in (1, trainer.max_steps):
             loss_value = _mean_over_ranks(step_loss)
             if not math.isfinite(loss_value):
                 raise TrainingError(f"the loss became {loss_value} at step {done}: lower trainer.lr, "
                                     "or use precision=bf16/fp32; the last checkpoint is kept")
-            last = {"step": done, "loss": loss_value, "lr": engine.get_lr()[0], "tokens": done * tokens_per_step,
+            last = {"step": done, "loss": loss_value, "lr": lr, "tokens": done * tokens_per_step,
                     **throughput.record(window_steps, window_seconds)}
             if is_rank0:
                 sinks.log(last)

@@ -1,0 +1,13 @@
+# The two commands of README.md: `make train` and `make test` (each sets up .venv first).
+PY := .venv/bin/python
+ARGS ?=
+
+.PHONY: setup train test
+setup:
+	bash scripts/setup.sh
+
+train: setup
+	$(PY) train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests $(ARGS)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv with everything lmrepo needs. Idempotent: a second run only checks.
+#   LMREPO_TORCH   torch requirement to install (default torch==2.13.0, the CPU build here).
+#                  For your own CUDA build: LMREPO_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+#                  or create .venv yourself with --system-site-packages over an existing torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+# libaio: ZeRO-Infinity's NVMe offload (DeepSpeed async_io). Installed when we can (root).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  $PIP install -q ${LMREPO_TORCH:-torch==2.13.0}
+fi
+$PIP install -q -r requirements.txt
+$PIP install -q --no-deps -r requirements-nodeps.txt
+$PIP install -q --no-deps --no-build-isolation -e .
+echo "lmrepo: environment ready in .venv ($(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'))"

@@ -1,0 +1,71 @@
+"""Shared test helpers: compose real configs, and launch real train.py runs on the CPU.
+
+Every run uses TINY (a 2-layer, 64-wide GPT-2 on 32-token blocks) and a token cache shared by
+the whole session, so the Shakespeare corpus is tokenized once.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lmrepo.launch import register_resolvers
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+PYTHON = sys.executable
+DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
+
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
+        "trainer.micro_batch_size=4", "trainer.max_steps=6", "trainer.warmup_steps=1",
+        "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2", "logger=jsonl"]
+
+
+def compose_config(overrides: list[str] = (), run_dir: Path | str = "/tmp/lmrepo-test-run"):
+    """The composed config train.py would see (Hydra's compose API), with run.dir pinned."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=[*overrides, f"run.dir={run_dir}"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """One token cache for the session (tokenizing Shakespeare takes a few seconds)."""
+    cache = os.environ.get("LMREPO_TEST_CACHE") or str(tmp_path_factory.mktemp("lmrepo-cache"))
+    os.environ["LMREPO_CACHE"] = cache
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return Path(cache)
+
+
+def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python train.py` (ranks=0) or `deepspeed --num_gpus N train.py` with the given overrides."""
+    if ranks:
+        cmd = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "train.py")]
+    else:
+        cmd = [PYTHON, str(REPO / "train.py")]
+    return subprocess.run([*cmd, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"

