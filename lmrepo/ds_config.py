@@ -61,13 +61,15 @@ def zero_section(zero: DictConfig, offload: DictConfig) -> dict:
 
 
 def scheduler_section(trainer: DictConfig) -> dict:
-    warmup = {"warmup_num_steps": trainer.warmup_steps, "warmup_type": "linear"}
+    # DeepSpeed's schedulers need at least one warmup step: no warmup = one "warmup" step at full lr.
+    start_ratio = 0.0 if trainer.warmup_steps else 1.0
+    warmup = {"warmup_num_steps": max(1, trainer.warmup_steps), "warmup_type": "linear"}
     if trainer.lr_decay == "cosine":
         return {"type": "WarmupCosineLR", "params": {
-            **warmup, "total_num_steps": trainer.max_steps, "warmup_min_ratio": 0.0,
+            **warmup, "total_num_steps": trainer.max_steps, "warmup_min_ratio": start_ratio,
             "cos_min_ratio": trainer.min_lr_ratio}}
     # WarmupLR / WarmupDecayLR take absolute learning rates.
-    lrs = {"warmup_min_lr": 0.0, "warmup_max_lr": trainer.lr}
+    lrs = {"warmup_min_lr": start_ratio * trainer.lr, "warmup_max_lr": trainer.lr}
     if trainer.lr_decay == "linear":
         return {"type": "WarmupDecayLR", "params": {**warmup, **lrs, "total_num_steps": trainer.max_steps}}
     return {"type": "WarmupLR", "params": {**warmup, **lrs}}

@@ -41,14 +41,16 @@ def token_cache(tmp_path_factory):
     return Path(cache)
 
 
-def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int = 900,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     """`python train.py` (ranks=0) or `deepspeed --num_gpus N train.py` with the given overrides."""
     if ranks:
         cmd = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "train.py")]
     else:
         cmd = [PYTHON, str(REPO / "train.py")]
-    return subprocess.run([*cmd, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
-                          capture_output=True, text=True, timeout=timeout)
+    cwd = next(p for p in run_dir.parents if p.exists())
+    return subprocess.run([*cmd, *overrides, f"hydra.run.dir={run_dir}"], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def free_port() -> int:

