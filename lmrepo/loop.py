@@ -57,6 +57,7 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, start_step: int = 
     bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not is_rank0, dynamic_ncols=True, desc="train")
     # Throughput counts training steps only: evaluation and checkpoint time stay out of the window.
     window_seconds, window_steps, last = 0.0, 0, {}
+    fit_start = time.perf_counter()
     for step in range(start_step, trainer.max_steps):
         step_start = time.perf_counter()
         lr = engine.get_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
@@ -79,7 +80,7 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, start_step: int = 
                 raise TrainingError(f"the loss became {loss_value} at step {done}: lower trainer.lr, "
                                     "or use precision=bf16/fp32; the last checkpoint is kept")
             last = {"step": done, "loss": loss_value, "lr": lr, "tokens": done * tokens_per_step,
-                    **throughput.record(window_steps, window_seconds)}
+                    **throughput.record(window_steps, window_seconds), "elapsed_s": time.perf_counter() - fit_start}
             if is_rank0:
                 sinks.log(last)
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
@@ -89,7 +90,8 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, start_step: int = 
         if (trainer.eval_every and done % trainer.eval_every == 0) or done == trainer.max_steps:
             eval_loss = evaluate(engine, data)
             if is_rank0:
-                sinks.log({"step": done, "eval_loss": eval_loss, "tokens": done * tokens_per_step})
+                sinks.log({"step": done, "eval_loss": eval_loss, "tokens": done * tokens_per_step,
+                           "elapsed_s": time.perf_counter() - fit_start})
                 bar.write(f"step {done}: eval_loss {eval_loss:.4f}")
             last = {**last, "eval_loss": eval_loss}
 

@@ -1,5 +1,6 @@
 """One training job: validate -> prepare data -> process group -> engine -> fit -> close."""
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.loggers import build_sinks
 from lmrepo.loop import Throughput, fit
 from lmrepo.metrics import device_name, flops_per_token, peak_tflops
-from lmrepo.rundir import remove_if_empty, write_config_files
+from lmrepo.rundir import remove_if_empty, write_config_files, write_status
 from lmrepo.tokenizer import load_tokenizer
 
 
@@ -74,7 +75,7 @@ def train(cfg: DictConfig) -> dict:
     engine = build_engine(cfg.model, cfg.checkpointing, ds_config)
     layout = Layout(global_batch=ds_config["train_batch_size"], micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                     dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
-    sinks = None
+    sinks, started = None, time.time()
     try:
         data = LMData(token_dir, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
                       cfg.trainer.eval_batches)
@@ -85,11 +86,18 @@ def train(cfg: DictConfig) -> dict:
         last = fit(engine, data, cfg.trainer, throughput_of(cfg, ds_config, device), sinks, start_step=start_step,
                    save=lambda step: checkpoint.save(engine, checkpoint_dir, step, {}), is_rank0=rank0)
     except (ConfigError, TrainingError) as err:
+        if rank0:
+            write_status(run_dir, "failed", started, error=str(err))
         fail(str(err), None, code=1)
+    except BaseException as err:
+        if rank0:
+            write_status(run_dir, "failed", started, error=f"{type(err).__name__}: {err}")
+        raise
     finally:
         if sinks is not None:
             sinks.finish()
     if rank0:
+        write_status(run_dir, "completed", started, final=last)
         summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float))
         print(f"lmrepo: done at step {last.get('step')}: {summary}. Run directory: {run_dir}", flush=True)
     dist.destroy_process_group()

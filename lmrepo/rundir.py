@@ -1,5 +1,6 @@
 """The run directory contract (DESIGN.md): .hydra/ config, ds_config.json, metrics.jsonl, checkpoints/."""
 import json
+import time
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -16,6 +17,12 @@ def write_config_files(run_dir: Path, cfg: DictConfig, ds_config: dict) -> None:
         OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra, resolve=False)}), hydra_dir / "hydra.yaml")
         OmegaConf.save(OmegaConf.create(list(hydra.overrides.task)), hydra_dir / "overrides.yaml")
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+
+
+def write_status(run_dir: Path, status: str, started: float, **details) -> None:
+    """status.json: how the job ended (completed / failed with its error), for sweeps and compare.py."""
+    record = {"status": status, "wall_s": time.time() - started, **details}
+    (run_dir / "status.json").write_text(json.dumps(record, indent=2))
 
 
 def remove_if_empty(run_dir: Path) -> None:
