@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import compose_config
-from lmrepo.data.batches import StepOrder
+from lmrepo.data.batches import SampleOrder
 from lmrepo.data.loader import MaskedInputs
 from lmrepo.data.prepare import open_tokens, prepare
 from lmrepo.errors import ConfigError
@@ -149,7 +149,7 @@ def test_json_round_trip(tmp_path, gpt2):
     assert decoded(gpt2, token_dir) == "one<|endoftext|>two<|endoftext|>"
 
 
-# --- StepOrder -------------------------------------------------------------------------------
+# --- SampleOrder -----------------------------------------------------------------------------
 
 N_BLOCKS, SEED = 103, 1234
 
@@ -157,23 +157,26 @@ N_BLOCKS, SEED = 103, 1234
 def step_set(step: int, micro: int, dp: int, global_batch: int = 8, seed: int = SEED) -> list[int]:
     """All ranks' block indices of one optimizer step, in rank then micro-batch order."""
     return [int(i) for rank in range(dp)
-            for batch in StepOrder(N_BLOCKS, global_batch, micro, rank, dp, seed).micro_batches(step) for i in batch]
+            for batch in SampleOrder(N_BLOCKS, global_batch, micro, rank, dp, seed).micro_batches(step * global_batch)
+            for i in batch]
 
 
 @pytest.mark.parametrize("dp, micro", [(2, 2), (3, 2), (3, 4)])
 def test_ranks_split_the_global_batch(dp, micro):
     global_batch = 12
-    ranks = [{int(i) for b in StepOrder(N_BLOCKS, global_batch, micro, r, dp, SEED).micro_batches(5) for i in b}
+    ranks = [{int(i) for b in SampleOrder(N_BLOCKS, global_batch, micro, r, dp, SEED).micro_batches(60) for i in b}
              for r in range(dp)]
     assert sum(len(r) for r in ranks) == len(set().union(*ranks)) == global_batch
     assert set().union(*ranks) == set(step_set(5, global_batch, 1, global_batch))
 
 
-def test_epoch_covers_distinct_blocks():
-    order = StepOrder(N_BLOCKS, 8, 2, 0, 1, SEED)
-    seen = [i for step in range(order.steps_per_epoch) for i in step_set(step, 2, 2)]
-    assert len(seen) == len(set(seen)) == order.steps_per_epoch * 8
-    assert max(seen) < N_BLOCKS
+def test_each_epoch_covers_every_block_once():
+    order = SampleOrder(N_BLOCKS, 8, 2, 0, 1, SEED)
+    for epoch in range(3):
+        assert sorted(order.stream(epoch * N_BLOCKS, N_BLOCKS)) == list(range(N_BLOCKS))
+    # Steps straddle epoch boundaries instead of dropping the remainder of an epoch.
+    seen = [i for step in range(N_BLOCKS // 8) for i in step_set(step, 2, 2)]
+    assert len(seen) == len(set(seen)) == (N_BLOCKS // 8) * 8
 
 
 @pytest.mark.parametrize("step", [0, 3, 12, 30])
@@ -182,17 +185,23 @@ def test_same_samples_per_step_in_every_layout(step):
     assert sorted(step_set(step, 4, 2)) == sorted(step_set(step, 2, 2)) == sorted(step_set(step, 8, 1))
 
 
-def test_order_depends_only_on_seed_and_step():
+def test_order_depends_only_on_seed_and_position():
     assert step_set(17, 2, 2) == step_set(17, 2, 2)
     assert step_set(17, 2, 2) != step_set(17, 2, 2, seed=SEED + 1)
 
 
+def test_resume_after_a_batch_size_change_neither_replays_nor_skips():
+    """4 steps of global batch 8, then global batch 12 from the saved position: the stream continues."""
+    first = [i for step in range(4) for i in step_set(step, 4, 2)]
+    later = SampleOrder(N_BLOCKS, 12, 6, 0, 2, SEED), SampleOrder(N_BLOCKS, 12, 6, 1, 2, SEED)
+    after = [int(i) for order in later for b in order.micro_batches(32) for i in b]
+    assert sorted(first + after) == sorted(SampleOrder(N_BLOCKS, 8, 8, 0, 1, SEED).stream(0, 44).tolist())
+
+
 def test_new_permutation_each_epoch():
-    steps = StepOrder(N_BLOCKS, 8, 8, 0, 1, SEED).steps_per_epoch
-    epoch0 = [step_set(s, 8, 1) for s in range(steps)]
-    epoch1 = [step_set(s, 8, 1) for s in range(steps, 2 * steps)]
-    assert epoch0 != epoch1
-    assert StepOrder(N_BLOCKS, 8, 8, 0, 1, SEED).epoch_of(steps) == 1
+    order = SampleOrder(N_BLOCKS, 8, 8, 0, 1, SEED)
+    assert order.stream(0, N_BLOCKS).tolist() != order.stream(N_BLOCKS, N_BLOCKS).tolist()
+    assert order.epoch_of(N_BLOCKS) == 1 and order.epoch_of(N_BLOCKS - 1) == 0
 
 
 # --- BERT masking ----------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Fixed-length blocks from a token file, and the deterministic order in which ranks read them.
 
-The order is a pure function of (seed, step): optimizer step k uses the k-th run of
-`global_batch` blocks of a seeded permutation (a new permutation each epoch), split into
-micro batches and data-parallel ranks. So a resumed run reads exactly the blocks the
-uninterrupted one would have, with any micro-batch / grad-accum / rank layout of the same
-global batch, and every optimizer step sees the same set of samples in every layout.
+The blocks form one endless stream: a seeded permutation of all blocks per epoch, epoch after
+epoch. An optimizer step takes the next `global_batch` blocks of the stream, split into micro
+batches and data-parallel ranks. The position in the stream (samples consumed) is all the
+state there is: a resumed run reads exactly the blocks the uninterrupted one would have, with
+any micro-batch / grad-accum / rank layout, and every layout of the same global batch gives
+each optimizer step the same set of samples.
 """
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ class TokenBlocks:
 
 
 @dataclass(frozen=True)
-class StepOrder:
+class SampleOrder:
     n_blocks: int
     global_batch: int
     micro_batch: int
@@ -35,23 +36,29 @@ class StepOrder:
     dp_size: int
     seed: int
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.n_blocks // self.global_batch
-
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
 
-    def micro_batches(self, step: int) -> list[np.ndarray]:
-        """This rank's block indices for each micro batch of optimizer step `step` (0-based)."""
-        epoch, within = divmod(step, self.steps_per_epoch)
-        chunk = self._permutation(epoch)[within * self.global_batch:(within + 1) * self.global_batch]
+    def stream(self, start: int, count: int) -> np.ndarray:
+        """Block indices at stream positions [start, start + count), across epoch boundaries."""
+        parts, position = [], start
+        while position < start + count:
+            epoch, within = divmod(position, self.n_blocks)
+            take = min(self.n_blocks - within, start + count - position)
+            parts.append(self._permutation(epoch)[within:within + take])
+            position += take
+        return np.concatenate(parts)
+
+    def micro_batches(self, consumed: int) -> list[np.ndarray]:
+        """This rank's block indices for each micro batch of the step that starts after
+        `consumed` samples (all ranks together)."""
+        chunk = self.stream(consumed, self.global_batch)
         per_micro = self.micro_batch * self.dp_size
         return [chunk[m * per_micro + self.dp_rank * self.micro_batch:][:self.micro_batch]
                 for m in range(self.global_batch // per_micro)]
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
+    def epoch_of(self, consumed: int) -> int:
+        return consumed // self.n_blocks
 
 
 def eval_indices(n_blocks: int, micro_batch: int, dp_rank: int, dp_size: int, batches: int) -> list[np.ndarray]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from transformers import DataCollatorForLanguageModeling
 
-from lmrepo.data.batches import StepOrder, TokenBlocks, eval_indices
+from lmrepo.data.batches import SampleOrder, TokenBlocks, eval_indices
 from lmrepo.data.prepare import open_tokens
 from lmrepo.errors import ConfigError
 
@@ -61,17 +61,18 @@ class LMData:
         if len(self.val_blocks) < layout.micro_batch * layout.dp_size:
             raise ConfigError(f"the held-out split has {len(self.val_blocks)} blocks, fewer than one micro batch per rank: "
                               "raise data.val_fraction or use a larger corpus")
-        self.order = StepOrder(len(self.train_blocks), layout.global_batch, layout.micro_batch,
+        self.order = SampleOrder(len(self.train_blocks), layout.global_batch, layout.micro_batch,
                                layout.dp_rank, layout.dp_size, seed)
         self.eval_order = eval_indices(len(self.val_blocks), layout.micro_batch, layout.dp_rank, layout.dp_size, eval_batches)
 
-    def train_step(self, step: int) -> list[dict]:
-        return [self.inputs(self.train_blocks.get(idx), self._sample_seeds(step, idx))
-                for idx in self.order.micro_batches(step)]
+    def train_step(self, consumed: int) -> list[dict]:
+        """The micro batches of the optimizer step that starts after `consumed` samples."""
+        return [self.inputs(self.train_blocks.get(idx), self._sample_seeds(consumed, idx))
+                for idx in self.order.micro_batches(consumed)]
 
     def eval_batches(self) -> list[dict]:
         return [self.inputs(self.val_blocks.get(idx), self._sample_seeds(-1, idx)) for idx in self.eval_order]
 
-    def _sample_seeds(self, step: int, indices) -> list[int]:
+    def _sample_seeds(self, position: int, indices) -> list[int]:
         # hash() of a tuple of ints does not depend on PYTHONHASHSEED.
-        return [hash((self.seed, step, int(i))) & 0x7FFFFFFF for i in indices]
+        return [hash((self.seed, position, int(i))) & 0x7FFFFFFF for i in indices]
