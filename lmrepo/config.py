@@ -61,7 +61,7 @@ def check_trainer(t: DictConfig) -> None:
     _require(t.grad_clip >= 0, "trainer.grad_clip must be >= 0 (0 disables clipping)")
     for key in ("log_every", "eval_batches"):
         _require(t[key] >= 1, f"trainer.{key} must be >= 1")
-    for key in ("eval_every", "save_every"):
+    for key in ("eval_every", "save_every", "keep_last"):
         _require(t[key] >= 0, f"trainer.{key} must be >= 0 (0 = off)")
     _require(t.device in ("auto", "cpu", "cuda"), "trainer.device must be auto, cpu or cuda")
 

@@ -1,6 +1,6 @@
 """The training loop: steps, evaluation, checkpoint cadence, metrics. Techniques live in the
 DeepSpeed config, not here: the loop is the same for every ZeRO stage, precision and offload."""
-import math
+import signal
 import time
 from dataclasses import dataclass
 
@@ -29,16 +29,36 @@ class Throughput:
                 "mem_gb": memory_gb(self.device_type)}
 
 
+@dataclass
+class TrainState:
+    """Where training is: checkpointed, and all a resumed run needs to continue exactly."""
+    step: int = 0       # optimizer steps done
+    consumed: int = 0   # samples consumed, all ranks together (the data order's position)
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's pre-emption) or SIGINT (Ctrl-C) asks for a checkpoint at the next
+    step boundary; a second SIGINT interrupts at once."""
+
+    def __init__(self):
+        self.signal_name = None
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
+def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return value.item()
+        dist.all_reduce(values)
+    return values
 
 
 @torch.no_grad()
@@ -46,58 +66,78 @@ def evaluate(engine, data) -> float:
     engine.eval()
     losses = [engine(**_to_device(batch, engine.device)).loss.float() for batch in data.eval_batches()]
     engine.train()
-    return _mean_over_ranks(torch.stack(losses).mean())
+    mean = torch.stack(losses).mean().cpu().reshape(1)
+    return (_sum_over_ranks(mean) / dist.get_world_size()).item()
 
 
-def fit(engine, data, trainer, throughput: Throughput, sinks, start_step: int = 0, save=None, is_rank0=True) -> dict:
-    """Trains from `start_step` to trainer.max_steps. `save(step)` is called on every rank at the
-    checkpoint cadence. Returns the last logged record."""
+def loss_scale_record(engine) -> dict:
+    """fp16 only (GPU): the dynamic loss scale and how many steps overflowed and were skipped."""
+    if not engine.fp16_enabled():
+        return {}
+    return {"loss_scale": float(engine.optimizer.loss_scale), "skipped_steps": int(engine.skipped_steps)}
+
+
+def fit(engine, data, trainer, throughput: Throughput, sinks, state: TrainState, save, stop: StopRequest | None,
+        is_rank0: bool, min_loss_scale: float | None = None) -> tuple[dict, str | None]:
+    """Trains until trainer.max_steps or a stop request. `save(state)` runs on every rank at the
+    checkpoint cadence and before stopping. Returns (last record, the stop signal's name or None)."""
     engine.train()
-    tokens_per_step = throughput.tokens_per_step
-    bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not is_rank0, dynamic_ncols=True, desc="train")
+    bar = tqdm(total=trainer.max_steps, initial=state.step, disable=not is_rank0, dynamic_ncols=True, desc="train")
     # Throughput counts training steps only: evaluation and checkpoint time stay out of the window.
-    window_seconds, window_steps, last = 0.0, 0, {}
+    window_seconds, window_steps, last, stopped = 0.0, 0, {}, None
     fit_start = time.perf_counter()
-    for step in range(start_step, trainer.max_steps):
+    while state.step < trainer.max_steps and not stopped:
         step_start = time.perf_counter()
         lr = engine.get_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
+
         # forward / backward over the micro batches; DeepSpeed steps the optimizer at the boundary
         micro_losses = []
-        for batch in data.train_step(step):
+        for batch in data.train_step(state.consumed):
             loss = engine(**_to_device(batch, engine.device)).loss
             engine.backward(loss)
             engine.step()
             micro_losses.append(loss.detach().float())
-        step_loss = torch.stack(micro_losses).mean()
-        done = step + 1
+        state.step += 1
+        state.consumed += data.layout.global_batch
         window_steps += 1
         window_seconds += time.perf_counter() - step_start
 
-        # log: loss averaged over data-parallel ranks, throughput over the window since the last log
-        if done % trainer.log_every == 0 or done in (1, trainer.max_steps):
-            loss_value = _mean_over_ranks(step_loss)
-            if not math.isfinite(loss_value):
-                raise TrainingError(f"the loss became {loss_value} at step {done}: lower trainer.lr, "
-                                    "or use precision=bf16/fp32; the last checkpoint is kept")
-            last = {"step": done, "loss": loss_value, "lr": lr, "tokens": done * tokens_per_step,
-                    **throughput.record(window_steps, window_seconds), "elapsed_s": time.perf_counter() - fit_start}
+        # one all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop
+        flags = torch.tensor([torch.stack(micro_losses).mean().item(), float(stop is not None and stop.signal_name is not None)])
+        flags = _sum_over_ranks(flags)
+        loss_value = flags[0].item() / dist.get_world_size()
+        if not torch.isfinite(flags[0]):
+            raise TrainingError(f"the loss became {loss_value} at step {state.step}: lower trainer.lr or raise "
+                                "trainer.warmup_steps (fp16: use precision=bf16); the last checkpoint is kept")
+        if flags[1] > 0:
+            stopped = (stop.signal_name if stop is not None and stop.signal_name else "SIGTERM")
+
+        # log: throughput over the window since the last log
+        if state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped:
+            last = {"step": state.step, "loss": loss_value, "lr": lr, "tokens": state.consumed * data.block_tokens,
+                    **throughput.record(window_steps, window_seconds), **loss_scale_record(engine),
+                    "elapsed_s": time.perf_counter() - fit_start}
+            if min_loss_scale is not None and last.get("loss_scale", float("inf")) <= min_loss_scale \
+                    and engine.skipped_steps >= state.step // 2:
+                raise TrainingError(f"fp16 loss scale stuck at its minimum {min_loss_scale} with {engine.skipped_steps} "
+                                    f"of {state.step} steps skipped (overflow): use precision=bf16")
             if is_rank0:
                 sinks.log(last)
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
             window_seconds, window_steps = 0.0, 0
 
         # evaluate on the held-out split
-        if (trainer.eval_every and done % trainer.eval_every == 0) or done == trainer.max_steps:
+        if (trainer.eval_every and state.step % trainer.eval_every == 0) or state.step == trainer.max_steps:
             eval_loss = evaluate(engine, data)
             if is_rank0:
-                sinks.log({"step": done, "eval_loss": eval_loss, "tokens": done * tokens_per_step,
+                sinks.log({"step": state.step, "eval_loss": eval_loss, "tokens": state.consumed * data.block_tokens,
                            "elapsed_s": time.perf_counter() - fit_start})
-                bar.write(f"step {done}: eval_loss {eval_loss:.4f}")
+                bar.write(f"step {state.step}: eval_loss {eval_loss:.4f}")
             last = {**last, "eval_loss": eval_loss}
 
-        # checkpoint
-        if save and trainer.save_every and done % trainer.save_every == 0:
-            save(done)
+        # checkpoint: at the cadence, at the end, and when asked to stop
+        if trainer.save_every and (state.step % trainer.save_every == 0 or state.step == trainer.max_steps) or stopped:
+            save(state)
         bar.update(1)
     bar.close()
-    return last
+    return last, stopped

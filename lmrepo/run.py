@@ -14,9 +14,9 @@ from lmrepo.data.prepare import prepare
 from lmrepo.engine import build_engine, init_distributed
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.loggers import build_sinks
-from lmrepo.loop import Throughput, fit
+from lmrepo.loop import StopRequest, Throughput, TrainState, fit
 from lmrepo.metrics import device_name, flops_per_token, peak_tflops
-from lmrepo.rundir import remove_if_empty, write_config_files, write_status
+from lmrepo.rundir import remove_if_empty, truncate_metrics, write_config_files, write_status
 from lmrepo.tokenizer import load_tokenizer
 
 
@@ -31,15 +31,22 @@ def fail(message: str, run_dir: Path | None, code: int = 2):
 def prepare_job(cfg: DictConfig, run_dir: Path):
     """Everything that can reject the job, before any process group starts."""
     device = detect_device(cfg.trainer.device)
-    ds_config, user_changed = validate(cfg, launch.world_size(), device)
+    world = launch.world_size()
+    ds_config, user_changed = validate(cfg, world, device)
     try:
         tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.pretrained)
     except OSError as err:
         raise ConfigError(f"model.tokenizer={cfg.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
     check_vocab(cfg.model, len(tokenizer))
-    resume_from = checkpoint.find_resume_path(cfg.run.resume, run_dir / "checkpoints")
+    resume = None
+    found = checkpoint.find(cfg.run.resume, run_dir / "checkpoints")
+    if found:
+        resume = checkpoint.inspect(*found, cfg.model, len(tokenizer), world)
+        resume = checkpoint.prepare_universal(resume, world)
+        if resume.universal:
+            ds_config["checkpoint"] = {"load_universal": True}
     token_dir = prepare(cfg.data, tokenizer)
-    return device, ds_config, user_changed, tokenizer, token_dir, resume_from
+    return device, ds_config, user_changed, tokenizer, token_dir, resume
 
 
 def throughput_of(cfg: DictConfig, ds_config: dict, device) -> Throughput:
@@ -51,7 +58,7 @@ def throughput_of(cfg: DictConfig, ds_config: dict, device) -> Throughput:
     # Recomputation re-runs the forward of the checkpointed blocks: a third more of their cost.
     executed = model_flops + (flops_per_token(recomputed, *args, recompute=True)
                               - flops_per_token(recomputed, *args, recompute=False)) if recomputed else model_flops
-    dtype = {"fp16": "fp16", "bf16": "bf16"}.get(next((k for k in ("fp16", "bf16") if ds_config.get(k, {}).get("enabled")), ""), "fp32")
+    dtype = next((k for k in ("fp16", "bf16") if ds_config.get(k, {}).get("enabled")), "fp32")
     return Throughput(
         tokens_per_step=ds_config["train_batch_size"] * cfg.data.block_size,
         flops_per_token=executed, model_flops_per_token=model_flops, world_size=launch.world_size(),
@@ -62,10 +69,11 @@ def train(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.run.dir)
     rank0 = launch.rank() == 0
     try:
-        device, ds_config, user_changed, tokenizer, token_dir, resume_from = prepare_job(cfg, run_dir)
+        device, ds_config, user_changed, tokenizer, token_dir, resume = prepare_job(cfg, run_dir)
     except ConfigError as err:
         fail(str(err), run_dir)
 
+    checkpoint_requests = StopRequest()  # before the process group: a signal during start-up still counts
     init_distributed()
     set_seed(cfg.trainer.seed)
     if rank0:
@@ -75,16 +83,26 @@ def train(cfg: DictConfig) -> dict:
     engine = build_engine(cfg.model, cfg.checkpointing, ds_config)
     layout = Layout(global_batch=ds_config["train_batch_size"], micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                     dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+    config = OmegaConf.to_container(cfg, resolve=True)
+    checkpoint_dir = run_dir / "checkpoints"
+
+    def save(state: TrainState) -> None:
+        checkpoint.save(engine, checkpoint_dir, state, config, len(tokenizer), cfg.trainer.keep_last)
+
     sinks, started = None, time.time()
     try:
         data = LMData(token_dir, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
                       cfg.trainer.eval_batches)
-        start_step = checkpoint.load(engine, *resume_from) if resume_from else 0
+        state = checkpoint.load(engine, resume) if resume else TrainState()
         if rank0:
-            sinks = build_sinks(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), ds_config)
-        checkpoint_dir = run_dir / "checkpoints"
-        last = fit(engine, data, cfg.trainer, throughput_of(cfg, ds_config, device), sinks, start_step=start_step,
-                   save=lambda step: checkpoint.save(engine, checkpoint_dir, step, {}), is_rank0=rank0)
+            if resume:
+                truncate_metrics(run_dir, state.step)  # a crashed run's lines past the checkpoint are redone
+                print(f"lmrepo: resumed from {resume.directory / resume.tag} at step {state.step}", flush=True)
+            sinks = build_sinks(cfg.logger, run_dir, config, ds_config)
+        fp16 = ds_config.get("fp16", {})
+        last, stopped = fit(engine, data, cfg.trainer, throughput_of(cfg, ds_config, device), sinks, state, save,
+                            checkpoint_requests, rank0,
+                            min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None)
     except (ConfigError, TrainingError) as err:
         if rank0:
             write_status(run_dir, "failed", started, error=str(err))
@@ -97,8 +115,13 @@ def train(cfg: DictConfig) -> dict:
         if sinks is not None:
             sinks.finish()
     if rank0:
-        write_status(run_dir, "completed", started, final=last)
         summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float))
-        print(f"lmrepo: done at step {last.get('step')}: {summary}. Run directory: {run_dir}", flush=True)
+        if stopped:
+            write_status(run_dir, "stopped", started, final=last, signal=stopped)
+            print(f"lmrepo: {stopped} received: checkpoint saved at step {state.step} in {checkpoint_dir}. "
+                  f"Resume with the same command plus run.dir={run_dir} run.resume=auto", flush=True)
+        else:
+            write_status(run_dir, "completed", started, final=last)
+            print(f"lmrepo: done at step {last.get('step')}: {summary}. Run directory: {run_dir}", flush=True)
     dist.destroy_process_group()
     return last

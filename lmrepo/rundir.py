@@ -19,6 +19,14 @@ def write_config_files(run_dir: Path, cfg: DictConfig, ds_config: dict) -> None:
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
 
 
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drops metrics.jsonl lines past `step`: a resumed run logs those steps again."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
 def write_status(run_dir: Path, status: str, started: float, **details) -> None:
     """status.json: how the job ended (completed / failed with its error), for sweeps and compare.py."""
     record = {"status": status, "wall_s": time.time() - started, **details}

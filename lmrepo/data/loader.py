@@ -54,7 +54,7 @@ class LMData:
         self.inputs = MaskedInputs(tokenizer) if family == "bert" else CausalInputs()
         self.train_blocks = TokenBlocks(open_tokens(token_dir, "train"), content)
         self.val_blocks = TokenBlocks(open_tokens(token_dir, "val"), content)
-        self.layout, self.seed = layout, seed
+        self.layout, self.seed, self.block_tokens = layout, seed, block_size
         if len(self.train_blocks) < layout.global_batch:
             raise ConfigError(f"the training split has {len(self.train_blocks)} blocks of {block_size} tokens, fewer than "
                               f"one global batch of {layout.global_batch}: use a larger corpus or lower data.block_size / the batch size")

@@ -1,0 +1,247 @@
+"""Compare finished runs: one row per job (from run directories on disk, or from W&B) as a
+markdown table, plus loss, throughput and memory plots. Used by scripts/compare.py."""
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+# A directory is a run (a job) when it holds any of these; a job that died early may have one only.
+RUN_MARKERS = (".hydra/config.yaml", "status.json", "metrics.jsonl", "error.txt")
+COLUMNS = ["job", "final loss", "eval loss", "tokens/s", "TFLOP/s", "MFU", "peak mem GB", "steps", "wall s", "status"]
+PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png")
+
+
+class CompareError(Exception):
+    """A one-line reason the comparison cannot be made (the CLI prints it and exits 2)."""
+
+
+@dataclass
+class Job:
+    label: str                      # fallback name: where the job came from
+    overrides: list[str] | None     # None when unknown (the job died before writing .hydra/)
+    metrics: list[dict] = field(default_factory=list)
+    status: dict = field(default_factory=dict)
+    name: str = ""                  # set by name_jobs: what differs from the other jobs
+
+
+# ---- reading run directories ----
+
+def find_run_dirs(root: Path) -> list[Path]:
+    """Run dirs under `root` (itself included), in job order: 0, 1, ..., 10 (not 0, 1, 10)."""
+    if any((root / marker).exists() for marker in RUN_MARKERS):
+        return [root]  # don't descend: checkpoints/ and wandb/ inside a run are not jobs
+    children = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    natural = lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+    return [run for child in sorted(children, key=natural) for run in find_run_dirs(child)]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl lines; a torn last line (a killed job) is skipped, not fatal."""
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+    return records
+
+
+def read_status(run_dir: Path) -> dict:
+    status = _read_json(run_dir / "status.json")
+    if not status and (run_dir / "error.txt").exists():
+        status = {"status": "failed", "error": (run_dir / "error.txt").read_text(errors="replace")}
+    return status or {"status": "unknown"}
+
+
+def load_run(run_dir: Path, label: str) -> Job:
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else None
+    status = read_status(run_dir)
+    # a job that died before training has no .hydra/: its launcher may have recorded the overrides
+    overrides = overrides if overrides is not None else status.get("overrides")
+    return Job(label, overrides, read_metrics(run_dir / "metrics.jsonl"), status)
+
+
+def load_dirs(dirs: list[Path]) -> list[Job]:
+    jobs = []
+    for given in dirs:
+        if not given.is_dir():
+            raise CompareError(f"{given}: no such directory")
+        root = given.resolve()
+        runs = find_run_dirs(root)
+        if not runs:
+            raise CompareError(f"{given}: holds no run (no .hydra/config.yaml, status.json or metrics.jsonl)")
+        # labelled relative to the DIR's parent ("sweep/0"), so two sweeps' job 0 stay apart
+        jobs += [load_run(run, str(run.relative_to(root.parent))) for run in runs]
+    return jobs
+
+
+# ---- reading W&B ----
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def load_wandb(path: str) -> list[Job]:
+    """Runs of ENTITY/PROJECT[/GROUP] from the W&B public API. W&B keeps the resolved config but
+    not the command line, so a job's "overrides" are its flattened config values (name_jobs then
+    keeps the ones that differ)."""
+    parts = path.strip("/").split("/")
+    if len(parts) not in (2, 3):
+        raise CompareError(f"--wandb {path}: expected ENTITY/PROJECT or ENTITY/PROJECT/GROUP")
+    import wandb
+
+    try:
+        api = wandb.Api(timeout=10)  # a short timeout: offline must fail, not hang
+        runs = list(api.runs("/".join(parts[:2]), filters={"group": parts[2]} if len(parts) == 3 else {}))
+        jobs = []
+        for run in runs:
+            config = {k: v for k, v in _flatten(dict(run.config)).items()
+                      if not k.startswith(("_", "ds_config.", "run.", "logger."))}
+            history = [{**row, "step": row.get("_step")} for row in run.history(samples=100_000, pandas=False)]
+            state = {"finished": "completed"}.get(run.state, run.state)
+            jobs.append(Job(run.name, [f"{k}={v}" for k, v in config.items()], history,
+                            {"status": state, "wall_s": run.summary.get("_runtime")}))
+    except Exception as err:  # wandb raises many kinds (auth, network, usage): all mean "cannot read"
+        raise CompareError(f"--wandb {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    if not jobs:
+        raise CompareError(f"--wandb {path}: no runs")
+    return jobs
+
+
+# ---- rows ----
+
+def name_jobs(jobs: list[Job]) -> None:
+    """A job's name is its overrides that not every job shares (`zero=stage2 offload=cpu`);
+    the label when that is empty or unknown, or when two jobs would get the same name."""
+    known = [set(job.overrides) for job in jobs if job.overrides is not None]
+    common = set.intersection(*known) if len(known) > 1 else set()
+    for job in jobs:
+        job.name = " ".join(o for o in job.overrides or [] if o not in common) or job.label
+    names = [job.name for job in jobs]
+    for job in jobs:
+        if names.count(job.name) > 1 and job.name != job.label:
+            job.name = f"{job.name} ({job.label})"
+
+
+def _series(metrics: list[dict], key: str) -> list[dict]:
+    """The records carrying a value for `key`: training lines (loss) and eval lines (eval_loss)
+    are separate in metrics.jsonl but merged into one row per step in W&B history."""
+    return [m for m in metrics if m.get(key) is not None]
+
+
+def summarize(job: Job) -> dict:
+    train, evals = _series(job.metrics, "loss"), _series(job.metrics, "eval_loss")
+    # the first logged step includes warm-up (allocation, kernel selection): leave it out
+    steady = train[1:] or train
+
+    def median(key):
+        values = [m[key] for m in steady if m.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    mem = [m["mem_gb"] for m in train if m.get("mem_gb") is not None]
+    steps = [m["step"] for m in job.metrics if m.get("step") is not None]
+    wall = job.status.get("wall_s") or (job.metrics[-1].get("elapsed_s") if job.metrics else None)
+    return {"job": job.name, "final loss": train[-1]["loss"] if train else None,
+            "eval loss": evals[-1]["eval_loss"] if evals else None,
+            "tokens/s": median("tokens_per_s"), "TFLOP/s": median("tflops"), "MFU": median("mfu"),
+            "peak mem GB": max(mem) if mem else None, "steps": max(steps) if steps else None,
+            "wall s": wall, "status": job.status.get("status", "unknown"), "error": job.status.get("error")}
+
+
+# ---- the table ----
+
+FORMATS = {"final loss": "{:.4f}", "eval loss": "{:.4f}", "tokens/s": "{:.0f}", "TFLOP/s": "{:.4g}",
+           "MFU": "{:.2%}", "peak mem GB": "{:.2f}", "steps": "{}", "wall s": "{:.1f}"}
+
+
+def _cell(row: dict, column: str) -> str:
+    value = row[column]
+    if column == "status" and row["error"]:
+        error = " ".join(row["error"].split())  # one line in a table cell
+        value = f"{value}: {error[:100]}{'…' if len(error) > 100 else ''}"
+    text = "-" if value is None else FORMATS.get(column, "{}").format(value)
+    return text.replace("|", "\\|")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(_cell(row, c) for c in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the plots ----
+
+def _save(fig, path: Path, title: str, xlabel: str, ylabel: str) -> None:
+    ax = fig.axes[0]
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_losses(jobs: list[Job], out: Path, x: str, filename: str, xlabel: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for job in jobs:
+        train, evals = _series(job.metrics, "loss"), _series(job.metrics, "eval_loss")
+        train, evals = [m for m in train if m.get(x) is not None], [m for m in evals if m.get(x) is not None]
+        if train:
+            line, = ax.plot([m[x] for m in train], [m["loss"] for m in train], label=job.name)
+            color = line.get_color()  # eval loss in the job's colour, dashed
+        else:
+            color = None
+        if evals:
+            ax.plot([m[x] for m in evals], [m["eval_loss"] for m in evals], "--o", color=color,
+                    markersize=3, label=f"{job.name} (eval)")
+    _save(fig, out / filename, f"loss vs {xlabel}", xlabel, "loss")
+    plt.close(fig)
+
+
+def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: str) -> None:
+    import matplotlib.pyplot as plt
+
+    shown = [row for row in rows if row[column] is not None]  # a job that never logged has no bar
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown) + 2), 5))
+    ax.bar(range(len(shown)), [row[column] for row in shown])
+    ax.set_xticks(range(len(shown)), [row["job"] for row in shown], rotation=20, ha="right", fontsize="small")
+    _save(fig, out / filename, f"{ylabel} per job", "", ylabel)
+    plt.close(fig)
+
+
+# ---- everything ----
+
+def report(jobs: list[Job], out: Path) -> str:
+    """Writes out/compare.md and the four plots; returns the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a training node
+    name_jobs(jobs)
+    rows = [summarize(job) for job in jobs]
+    table = markdown_table(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(table)
+    plot_losses(jobs, out, "step", PLOTS[0], "step")
+    plot_losses(jobs, out, "elapsed_s", PLOTS[1], "wall time (s)")
+    plot_bars(rows, out, "tokens/s", PLOTS[2], "tokens/s (median)")
+    plot_bars(rows, out, "peak mem GB", PLOTS[3], "peak memory (GB)")
+    return table

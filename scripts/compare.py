@@ -1,0 +1,37 @@
+"""Compare finished runs: a markdown table (compare.md) and loss/throughput/memory plots.
+
+    python scripts/compare.py multirun/2026-11-21/23-07-59          # a sweep: one row per job
+    python scripts/compare.py outputs/a outputs/b --out reports/ab  # single runs side by side
+    python scripts/compare.py --wandb ENTITY/PROJECT/GROUP --out reports/g   # from W&B
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lmrepo without installing it
+
+from lmrepo.compare import CompareError, load_dirs, load_wandb, report  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="*", type=Path, metavar="DIR", help="run dirs or sweep dirs")
+    parser.add_argument("--out", type=Path, help="where compare.md and the plots go (default: the first DIR)")
+    parser.add_argument("--wandb", metavar="ENTITY/PROJECT[/GROUP]", help="also read these runs from W&B")
+    args = parser.parse_args()
+    if not args.dirs and not args.wandb:
+        parser.error("give at least one DIR or --wandb")
+    if not args.dirs and not args.out:
+        parser.error("--wandb without a DIR needs --out")
+    try:
+        jobs = load_dirs(args.dirs) + (load_wandb(args.wandb) if args.wandb else [])
+    except CompareError as err:
+        print(f"compare: error: {err}", file=sys.stderr)
+        raise SystemExit(2)
+    out = args.out or args.dirs[0]
+    print(report(jobs, out), end="")
+    print(f"compare: wrote {out / 'compare.md'} and 4 plots")
+
+
+if __name__ == "__main__":
+    main()
