@@ -24,6 +24,14 @@ def flops_per_token(n_layer: int, n_embd: int, seq_len: int, vocab: int, recompu
     return 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 
 
+def executed_flops_per_token(n_layer: int, n_embd: int, seq_len: int, vocab: int, recomputed_layers: int) -> float:
+    """FLOPs per token a step actually runs when `recomputed_layers` blocks are checkpointed: each
+    reruns its forward, 24*h^2*(1 + s/(6h)) per token (the logits are not recomputed). With every
+    block recomputed this is the 96 form above."""
+    extra = 24 * recomputed_layers * n_embd * n_embd * (1 + seq_len / (6 * n_embd))
+    return flops_per_token(n_layer, n_embd, seq_len, vocab, recompute=False) + extra
+
+
 def peak_tflops(device_name: str, dtype: str, override: float | None) -> float | None:
     """The device's dense peak, or None when unknown (the CPU): MFU is then not reported."""
     if override:

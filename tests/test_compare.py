@@ -54,9 +54,9 @@ def test_compare_writes_table_and_plots(sweep, tmp_path):
         job, final_loss, eval_loss, tokens_s, tflops, mfu, mem, steps, wall, status = row
         assert final_loss == f"{train[-1]['loss']:.4f}"
         assert eval_loss == f"{evals[-1]['eval_loss']:.4f}"
-        # median over the steps after the first (warm-up)
+        # the median over the 5 steps after the first (warm-up)
         speeds = sorted(m["tokens_per_s"] for m in train[1:])
-        assert float(tokens_s) == pytest.approx((speeds[2] + speeds[3]) / 2, abs=0.5)
+        assert len(speeds) == 5 and tokens_s == f"{speeds[2]:.0f}"
         assert mfu == "-"  # no known peak on the CPU
         assert mem == f"{max(m['mem_gb'] for m in train):.2f}"
         assert steps == "6" and status == "completed" and float(wall) > 0

@@ -1,0 +1,133 @@
+"""Pre-flight arithmetic: parameters, model-state and activation memory per rank, FLOPs, time to train.
+
+Pure functions: no process group, no GPU. Sources:
+- parameters: seed 003 (Narayanan et al. 2021), P = 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)),
+  and the exact count of the transformers model train.py builds, made on the meta device;
+- model states: ZeRO (Rajbhandari et al. 2020, Sec. 3 and Fig. 1; seed 000), ZeRO-Offload
+  (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021);
+- activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", Sec. 4 (tensor parallel size 1, no sequence parallelism);
+- FLOPs and time: lmrepo.metrics (the 72/96 forms of seed 003) and seed 003's 8*T*P/(n*X).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lmrepo.models import FAMILIES
+
+
+def meta_model(model_cfg) -> torch.nn.Module:
+    """The model train.py builds, on the meta device: every shape, no memory, no init time."""
+    family = FAMILIES[model_cfg.family]
+    config = (family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
+              if model_cfg.pretrained else family.hf_config(model_cfg))
+    with torch.device("meta"):
+        return family.MODEL_CLASS._from_config(config)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    # parameters() yields a shared Parameter once, so the tied input/output embedding counts once
+    # (DeepSpeed dedups by data_ptr(), which meta tensors do not have).
+    return sum(p.numel() for p in model.parameters())
+
+
+def largest_module_parameters(model: torch.nn.Module) -> int:
+    """DeepSpeed's ZeRO-3 estimator's `largest_layer_params`: the most parameters one module owns
+    directly, i.e. the most ZeRO-3 gathers at once (GPT-2's token embedding)."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+def formula_parameters(n_layer: int, n_embd: int, vocab: int, seq_len: int) -> float:
+    """Seed 003: each block has 12h^2 + 13h (QKV, projection and the 4h MLP with their biases, two
+    layer norms), plus token and position embeddings (V+s)h. It leaves out GPT-2's final layer
+    norm (2h) and BERT's token types, embedding norm and MLM head."""
+    l, h = n_layer, n_embd
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states (parameters, gradients, optimizer states) held by one data-parallel rank."""
+    gpu: float
+    cpu: float
+    nvme: float
+
+
+def bytes_per_param(dtype: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per parameter with Adam: 16 in both cases.
+    Mixed precision (ZeRO Sec. 3.1, K=12): 16-bit parameters 2 + gradients 2 + fp32 master copy,
+    momentum and variance 12. fp32: 4 + 4 + 8 (the parameters are their own master copy)."""
+    return (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
+
+
+# An offloaded gradient partition is held in fp32 whatever the precision: DeepSpeed's CPU Adam
+# reads fp32 gradients (stage_1_and_2.py keeps `single_partition_of_fp32_groups[i].grad` pinned
+# in host memory; ZeRO-3 likewise).
+OFFLOADED_GRAD_BYTES = 4
+
+
+def model_state_bytes(params: int, stage: int, dp: int, offload: str = "none",
+                      offload_params: bool | None = None, dtype: str = "bf16") -> ModelStates:
+    """Per-rank model states for ZeRO `stage` over `dp` data-parallel ranks (ZeRO Fig. 1): stage 0
+    replicates everything; stage 1 partitions the optimizer states (/dp), stage 2 also the
+    gradients, stage 3 also the parameters. Offload (ZeRO-Offload) moves the optimizer states and
+    the gradient partition they update to the host (cpu) or the optimizer states to NVMe with the
+    gradients in host memory (ZeRO-Infinity); at stage 3 the parameter partition goes too
+    (`offload_params`, by default whenever offloading at stage 3, as the offload group does).
+    Transient buffers (buckets, gathered layers, the step's fp32 gradient copy) are not counted."""
+    if offload != "none" and stage == 0:
+        raise ValueError("offload needs ZeRO stage >= 1")
+    if offload == "nvme" and stage != 3:
+        raise ValueError("NVMe offload needs ZeRO-3")
+    if offload_params is None:
+        offload_params = offload != "none" and stage == 3
+    if offload_params and stage != 3:
+        raise ValueError("parameter offload needs ZeRO-3")
+    param_b, grad_b, optim_b = bytes_per_param(dtype)
+    share = params / dp
+    held = {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0}
+    away = "gpu" if offload == "none" else offload
+    held[away if offload_params else "gpu"] += param_b * (share if stage == 3 else params)
+    if offload == "none":
+        held["gpu"] += grad_b * (share if stage >= 2 else params)
+    else:
+        # Stage 1 still accumulates every gradient on the accelerator before reducing it.
+        held["gpu"] += grad_b * params if stage == 1 else 0.0
+        held["cpu"] += OFFLOADED_GRAD_BYTES * share
+    held[away] += optim_b * (share if stage >= 1 else params)
+    return ModelStates(**held)
+
+
+def activation_bytes_per_layer(seq: int, micro: int, hidden: int, heads: int) -> float:
+    """Korthikanti et al. 2022, eq. 1: one transformer layer keeps s*b*h*(34 + 5*a*s/h) bytes of
+    16-bit activations (and 1-byte dropout masks) for its backward: 34*sbh from the inputs of the
+    linears, GeLU and layer norms and two dropout masks; 5*a*s^2*b from the attention scores,
+    softmax and its dropout mask. Fused attention (SDPA/flash, transformers' default) keeps no
+    s x s tensor and dropout 0 stores no masks, so this is an upper bound for lmrepo's runs."""
+    return seq * micro * hidden * (34 + 5 * heads * seq / hidden)
+
+
+def activation_bytes(n_layer: int, hidden: int, heads: int, vocab: int, seq: int, micro: int,
+                     checkpointed_layers: int = 0, dtype: str = "bf16") -> float:
+    """Activations one rank holds at the start of backward. A checkpointed layer keeps only its
+    16-bit input, 2*sbh, and while it is recomputed one layer's full activations exist again
+    (Korthikanti Sec. 5, full recomputation: 2*sbh*L). The output layer is never checkpointed:
+    final layer norm and projection inputs 2sbh each, fp32 logits 4sbV: 4sbh(1 + V/h) (Sec. 4.3).
+    fp32 training doubles the layer terms."""
+    scale = 2 if dtype == "fp32" else 1
+    full = activation_bytes_per_layer(seq, micro, hidden, heads)
+    kept = (n_layer - checkpointed_layers) * full + checkpointed_layers * 2 * seq * micro * hidden
+    recompute = full if checkpointed_layers else 0.0
+    return scale * (kept + recompute) + 4 * seq * micro * hidden * (1 + vocab / hidden)
+
+
+def checkpointed_layers(n_layer: int, checkpointing) -> int:
+    """Blocks transformers checkpoints for `checkpointing.every_n_layers` (every n-th, from the first)."""
+    return math.ceil(n_layer / checkpointing.every_n_layers) if checkpointing.enabled else 0
+
+
+def train_seconds(tokens: float, params: float, devices: int, tflops: float, recompute: bool) -> float:
+    """Seed 003 (Narayanan et al. 2021, eq. 4): 8*T*P/(n*X) with activation recomputation (forward
+    2PT FLOPs, backward 4PT, recomputed forward 2PT), 6*T*P/(n*X) without; X in TFLOP/s per device."""
+    return (8 if recompute else 6) * tokens * params / (devices * tflops * 1e12)

@@ -1,0 +1,46 @@
+"""A DeepSpeed checkpoint of any ZeRO stage -> a Hugging Face model directory (config,
+safetensors weights, tokenizer) that AutoModelForCausalLM / AutoModelForMaskedLM load."""
+from pathlib import Path
+
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from omegaconf import OmegaConf
+from transformers import AutoConfig
+
+from lmrepo import checkpoint
+from lmrepo.errors import ConfigError
+from lmrepo.models import FAMILIES
+from lmrepo.tokenizer import load_tokenizer
+
+
+def consolidated_state_dict(directory: Path, tag: str, states: dict) -> dict:
+    """fp32 weights: from the (fp32 master) optimizer partitions when the optimizer state is
+    partitioned (ZeRO 1-3, bf16), else the module weights saved whole (ZeRO-0 fp32)."""
+    if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
+        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+    return {k: v.float() for k, v in states["module"].items()}
+
+
+def export(source: str, out: Path) -> Path:
+    found = checkpoint.find(source, Path(source) / "checkpoints")
+    if found is None:
+        raise ConfigError(f"{source} holds no checkpoint: train with trainer.save_every=N first")
+    directory, tag = found
+    checkpoint._check_files(directory / tag)
+    states = torch.load(directory / tag / checkpoint.MODEL_STATES, map_location="cpu", weights_only=False)
+    if "config" not in states:
+        raise ConfigError(f"{directory / tag} was not written by lmrepo: no config to rebuild the model from")
+    model_cfg = OmegaConf.create(states["config"]["model"])
+    family = FAMILIES[model_cfg.family]
+    hf_config = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
+    model = family.MODEL_CLASS(hf_config)
+    missing, unexpected = model.load_state_dict(consolidated_state_dict(directory, tag, states), strict=False)
+    tied = {k for k in missing if k in model._tied_weights_keys or k.endswith("lm_head.weight") or k.endswith("decoder.weight")}
+    if set(missing) - tied or unexpected:
+        raise ConfigError(f"{directory / tag}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    model.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    load_tokenizer(model_cfg.tokenizer, model_cfg.pretrained).save_pretrained(out)
+    return out
