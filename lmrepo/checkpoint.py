@@ -27,7 +27,12 @@ from filelock import FileLock
 from lmrepo.errors import ConfigError
 from lmrepo.loop import TrainState
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
+# ZeRO-3 writes the model states (and our client state) per rank; the others once.
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def model_states_file(tag_dir: Path) -> Path | None:
+    return next((tag_dir / name for name in MODEL_STATES if (tag_dir / name).is_file()), None)
 
 
 def tag_for(step: int) -> str:
@@ -90,30 +95,33 @@ def find(resume: str | None, checkpoint_dir: Path) -> tuple[Path, str] | None:
         path = path / "checkpoints"
     if (path / "latest").is_file():
         return path, (path / "latest").read_text().strip()
-    if (path / MODEL_STATES).is_file():
+    if model_states_file(path):
         return path.parent, path.name
     raise ConfigError(f"run.resume={resume} is not a checkpoint: point it at a run directory, its checkpoints/ "
                       "or a checkpoints/<tag> directory")
 
 
-def _check_files(tag_dir: Path) -> None:
-    if not (tag_dir / MODEL_STATES).is_file():
-        raise ConfigError(f"checkpoint {tag_dir} has no {MODEL_STATES}: it is incomplete; resume from another "
+def check_files(tag_dir: Path) -> Path:
+    """Returns the model-states file, after checking that no file is missing its end."""
+    states = model_states_file(tag_dir)
+    if states is None:
+        raise ConfigError(f"checkpoint {tag_dir} has no model states file: it is incomplete; resume from another "
                           "(run.resume=PATH) or start fresh")
     for f in tag_dir.glob("*.pt"):
         # torch.save writes a zip archive; a truncated one has lost its central directory.
         if not zipfile.is_zipfile(f):
             raise ConfigError(f"checkpoint file {f} is truncated or corrupt: resume from another checkpoint (run.resume=PATH)")
+    return states
 
 
 def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int, dp_size: int) -> Resume:
     """Reads the checkpoint's client state and refuses one this run cannot continue."""
     tag_dir = directory / tag
-    _check_files(tag_dir)
+    states_file = check_files(tag_dir)
     try:
-        states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", weights_only=False)
+        states = torch.load(states_file, map_location="cpu", weights_only=False)
     except Exception as err:  # unpickling errors of many kinds
-        raise ConfigError(f"checkpoint {tag_dir / MODEL_STATES} cannot be read ({type(err).__name__}): "
+        raise ConfigError(f"checkpoint {states_file} cannot be read ({type(err).__name__}): "
                           "resume from another checkpoint") from None
     if "consumed" not in states or "config" not in states:
         raise ConfigError(f"checkpoint {tag_dir} was not written by lmrepo (no training position): "

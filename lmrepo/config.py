@@ -47,6 +47,25 @@ def check_missing(cfg: DictConfig) -> None:
     _require(not missing, f"{', '.join(missing)} must be set on the command line (e.g. {missing[0] if missing else ''}=...)")
 
 
+# Keys compared as numbers below: a string there ("trainer.lr=abc") gets its own message.
+NUMERIC_KEYS = {
+    "trainer": ("max_steps", "micro_batch_size", "grad_accum", "global_batch_size", "lr", "min_lr_ratio",
+                "warmup_steps", "weight_decay", "eps", "grad_clip", "seed", "log_every", "eval_every",
+                "eval_batches", "save_every", "keep_last"),
+    "model": ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "dropout"),
+    "data": ("block_size", "val_fraction"),
+    "pipeline": ("stages",),
+}
+
+
+def check_types(cfg: DictConfig) -> None:
+    for group, keys in NUMERIC_KEYS.items():
+        for key in keys:
+            value = cfg[group].get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{group}.{key}={value!r} must be a number")
+
+
 def check_trainer(t: DictConfig) -> None:
     _require(t.max_steps > 0, "trainer.max_steps must be > 0")
     _require(t.micro_batch_size is None or t.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1")
@@ -192,6 +211,7 @@ def validate(cfg: DictConfig, world_size: int, device: Device) -> tuple[dict, li
     """All checks; returns (DeepSpeed dict, keys the user's JSON changed)."""
     try:
         check_missing(cfg)
+        check_types(cfg)
         check_trainer(cfg.trainer)
         check_model(cfg.model, cfg.data)
         check_checkpointing(cfg.checkpointing, cfg.model)

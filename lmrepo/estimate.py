@@ -6,7 +6,7 @@ Pure functions: no process group, no GPU. Sources:
 - model states: ZeRO (Rajbhandari et al. 2020, Sec. 3 and Fig. 1; seed 000), ZeRO-Offload
   (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021);
 - activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", Sec. 4 (tensor parallel size 1, no sequence parallelism);
+  Models" (tensor parallel size 1, no sequence parallelism);
 - FLOPs and time: lmrepo.metrics (the 72/96 forms of seed 003) and seed 003's 8*T*P/(n*X).
 """
 import math
@@ -57,7 +57,7 @@ class ModelStates:
 def bytes_per_param(dtype: str) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes per parameter with Adam: 16 in both cases.
     Mixed precision (ZeRO Sec. 3.1, K=12): 16-bit parameters 2 + gradients 2 + fp32 master copy,
-    momentum and variance 12. fp32: 4 + 4 + 8 (the parameters are their own master copy)."""
+    momentum and variance 12. fp32: 4 + 4 + 8 (the parameters can be their own master copy)."""
     return (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
 
 
@@ -85,6 +85,10 @@ def model_state_bytes(params: int, stage: int, dp: int, offload: str = "none",
     if offload_params and stage != 3:
         raise ValueError("parameter offload needs ZeRO-3")
     param_b, grad_b, optim_b = bytes_per_param(dtype)
+    if dtype == "fp32" and (stage in (1, 2) or offload != "none"):
+        # DeepSpeed's ZeRO-1/2 optimizer, and any offloaded one, steps its own fp32 clone of the
+        # partition even when the parameters are fp32 (stage_1_and_2.py, stage3.py): 4 more bytes.
+        optim_b += 4
     share = params / dp
     held = {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0}
     away = "gpu" if offload == "none" else offload
@@ -92,9 +96,9 @@ def model_state_bytes(params: int, stage: int, dp: int, offload: str = "none",
     if offload == "none":
         held["gpu"] += grad_b * (share if stage >= 2 else params)
     else:
-        # Stage 1 still accumulates every gradient on the accelerator before reducing it.
-        held["gpu"] += grad_b * params if stage == 1 else 0.0
         held["cpu"] += OFFLOADED_GRAD_BYTES * share
+        if stage == 1:  # stage 1 still accumulates every gradient on the accelerator before reducing
+            held["gpu"] += grad_b * params
     held[away] += optim_b * (share if stage >= 1 else params)
     return ModelStates(**held)
 
@@ -112,8 +116,8 @@ def activation_bytes(n_layer: int, hidden: int, heads: int, vocab: int, seq: int
                      checkpointed_layers: int = 0, dtype: str = "bf16") -> float:
     """Activations one rank holds at the start of backward. A checkpointed layer keeps only its
     16-bit input, 2*sbh, and while it is recomputed one layer's full activations exist again
-    (Korthikanti Sec. 5, full recomputation: 2*sbh*L). The output layer is never checkpointed:
-    final layer norm and projection inputs 2sbh each, fp32 logits 4sbV: 4sbh(1 + V/h) (Sec. 4.3).
+    (Korthikanti's full recomputation: 2*sbh*L). The output layer is never checkpointed: its
+    layer norm and projection inputs 2sbh each and the fp32 logits 4sbV, 4sbh(1 + V/h) (Korthikanti).
     fp32 training doubles the layer terms."""
     scale = 2 if dtype == "fp32" else 1
     full = activation_bytes_per_layer(seq, micro, hidden, heads)
@@ -128,6 +132,6 @@ def checkpointed_layers(n_layer: int, checkpointing) -> int:
 
 
 def train_seconds(tokens: float, params: float, devices: int, tflops: float, recompute: bool) -> float:
-    """Seed 003 (Narayanan et al. 2021, eq. 4): 8*T*P/(n*X) with activation recomputation (forward
+    """Seed 003 (Narayanan et al. 2021): 8*T*P/(n*X) with activation recomputation (forward
     2PT FLOPs, backward 4PT, recomputed forward 2PT), 6*T*P/(n*X) without; X in TFLOP/s per device."""
     return (8 if recompute else 6) * tokens * params / (devices * tflops * 1e12)

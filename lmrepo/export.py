@@ -26,8 +26,7 @@ def export(source: str, out: Path) -> Path:
     if found is None:
         raise ConfigError(f"{source} holds no checkpoint: train with trainer.save_every=N first")
     directory, tag = found
-    checkpoint._check_files(directory / tag)
-    states = torch.load(directory / tag / checkpoint.MODEL_STATES, map_location="cpu", weights_only=False)
+    states = torch.load(checkpoint.check_files(directory / tag), map_location="cpu", weights_only=False)
     if "config" not in states:
         raise ConfigError(f"{directory / tag} was not written by lmrepo: no config to rebuild the model from")
     model_cfg = OmegaConf.create(states["config"]["model"])

@@ -15,7 +15,8 @@ from lmrepo.engine import build_engine, init_distributed
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.loggers import build_sinks
 from lmrepo.loop import StopRequest, Throughput, TrainState, fit
-from lmrepo.metrics import device_name, flops_per_token, peak_tflops
+from lmrepo.estimate import checkpointed_layers
+from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, peak_tflops
 from lmrepo.rundir import remove_if_empty, truncate_metrics, write_config_files, write_status
 from lmrepo.tokenizer import load_tokenizer
 
@@ -51,17 +52,12 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
 
 def throughput_of(cfg: DictConfig, ds_config: dict, device) -> Throughput:
     shape = model_shape(cfg.model)
-    ckpt = cfg.checkpointing
-    recomputed = -(-shape["n_layer"] // ckpt.every_n_layers) if ckpt.enabled else 0
-    args = (shape["n_embd"], cfg.data.block_size, shape["vocab_size"])
-    model_flops = flops_per_token(shape["n_layer"], *args, recompute=False)
-    # Recomputation re-runs the forward of the checkpointed blocks: a third more of their cost.
-    executed = model_flops + (flops_per_token(recomputed, *args, recompute=True)
-                              - flops_per_token(recomputed, *args, recompute=False)) if recomputed else model_flops
+    args = (shape["n_layer"], shape["n_embd"], cfg.data.block_size, shape["vocab_size"])
     dtype = next((k for k in ("fp16", "bf16") if ds_config.get(k, {}).get("enabled")), "fp32")
     return Throughput(
         tokens_per_step=ds_config["train_batch_size"] * cfg.data.block_size,
-        flops_per_token=executed, model_flops_per_token=model_flops, world_size=launch.world_size(),
+        flops_per_token=executed_flops_per_token(*args, checkpointed_layers(shape["n_layer"], cfg.checkpointing)),
+        model_flops_per_token=flops_per_token(*args, recompute=False), world_size=launch.world_size(),
         peak_tflops=peak_tflops(device_name(device.type), dtype, cfg.metrics.peak_tflops), device_type=device.type)
 
 

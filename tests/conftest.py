@@ -53,6 +53,23 @@ def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int 
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.fixture(scope="session")
+def launch2(tmp_path_factory):
+    """Runs a 2-rank TINY job once per set of overrides for the whole session (the parity and
+    resume tests share them) and returns its run directory. Every run checkpoints at step 3."""
+    import functools
+
+    root = tmp_path_factory.mktemp("ranks2")
+
+    @functools.cache
+    def run(*overrides: str) -> Path:
+        run_dir = root / f"run{len(list(root.iterdir()))}"
+        assert_ok(run_train([*TINY, "trainer.save_every=3", *overrides], run_dir, ranks=2))
+        return run_dir
+
+    return run
+
+
 def free_port() -> int:
     import socket
 

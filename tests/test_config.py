@@ -430,3 +430,10 @@ def test_every_n_layers_checked_against_pretrained_depth():
                           "checkpointing.every_n_layers=8"])
     with pytest.raises(ConfigError, match="checkpointing.every_n_layers"):
         validate(cfg, 1, CPU)
+
+
+@pytest.mark.parametrize("override, key", [("trainer.lr=abc", "trainer.lr"), ("model.n_layer=true", "model.n_layer"),
+                                           ("data.block_size=big", "data.block_size")])
+def test_wrong_type_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"{key}=.* must be a number"):
+        validate(compose_config([override]), 1, CPU)

@@ -8,32 +8,14 @@ checkpointing mode must give the same training loss. Tolerances:
   computed in bf16, whose unit roundoff is 2**-8 = 0.4%; a different reduction order moves a
   gradient by up to that much and the difference compounds for a few steps: 2e-2 relative.
 """
-import functools
-import os
-from pathlib import Path
-
 import pytest
 
-from conftest import TINY, assert_ok, read_metrics, run_train, train_losses
+from conftest import read_metrics, train_losses
 
 pytestmark = pytest.mark.distributed
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
-
-
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """Runs a 2-rank job once per set of overrides and returns its run directory."""
-    root = tmp_path_factory.mktemp("ranks2")
-
-    @functools.cache
-    def run(*overrides: str) -> Path:
-        run_dir = root / f"run{len(os.listdir(root))}"
-        assert_ok(run_train([*TINY, *overrides], run_dir, ranks=2))
-        return run_dir
-
-    return run
 
 
 def assert_close(a: list[float], b: list[float], rel: float) -> None:
@@ -43,19 +25,19 @@ def assert_close(a: list[float], b: list[float], rel: float) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_agree_fp32(launch, stage):
-    reference = train_losses(launch("zero=stage0", "precision=fp32"))
-    assert_close(train_losses(launch(f"zero=stage{stage}", "precision=fp32")), reference, FP32_TOL)
+def test_zero_stages_agree_fp32(launch2, stage):
+    reference = train_losses(launch2("zero=stage0", "precision=fp32"))
+    assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=fp32")), reference, FP32_TOL)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_agree_bf16(launch, stage):
-    reference = train_losses(launch("zero=stage0", "precision=bf16"))
-    assert_close(train_losses(launch(f"zero=stage{stage}", "precision=bf16")), reference, BF16_TOL)
+def test_zero_stages_agree_bf16(launch2, stage):
+    reference = train_losses(launch2("zero=stage0", "precision=bf16"))
+    assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=bf16")), reference, BF16_TOL)
 
 
-def test_loss_falls_and_only_rank0_writes(launch):
-    run_dir = launch("zero=stage0", "precision=fp32")
+def test_loss_falls_and_only_rank0_writes(launch2):
+    run_dir = launch2("zero=stage0", "precision=fp32")
     losses = train_losses(run_dir)
     assert losses[-1] < losses[0]
     steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
@@ -63,21 +45,21 @@ def test_loss_falls_and_only_rank0_writes(launch):
     assert [p.name for p in run_dir.parent.iterdir()].count(run_dir.name) == 1
 
 
-def test_cpu_offload_matches_no_offload(launch):
+def test_cpu_offload_matches_no_offload(launch2):
     for stage in (2, 3):
-        reference = train_losses(launch(f"zero=stage{stage}", "precision=fp32"))
-        assert_close(train_losses(launch(f"zero=stage{stage}", "precision=fp32", "offload=cpu")), reference, FP32_TOL)
+        reference = train_losses(launch2(f"zero=stage{stage}", "precision=fp32"))
+        assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=fp32", "offload=cpu")), reference, FP32_TOL)
 
 
-def test_nvme_offload_matches_no_offload(launch, tmp_path):
-    reference = train_losses(launch("zero=stage3", "precision=fp32"))
-    nvme = train_losses(launch("zero=stage3", "precision=fp32", "offload=nvme", f"offload.nvme_path={tmp_path}"))
+def test_nvme_offload_matches_no_offload(launch2, tmp_path):
+    reference = train_losses(launch2("zero=stage3", "precision=fp32"))
+    nvme = train_losses(launch2("zero=stage3", "precision=fp32", "offload=nvme", f"offload.nvme_path={tmp_path}"))
     assert_close(nvme, reference, FP32_TOL)
 
 
 @pytest.mark.parametrize("mode", ["full", "every_n"])
-def test_activation_checkpointing_matches_none(launch, mode):
-    reference = train_losses(launch("zero=stage0", "precision=fp32"))
-    assert_close(train_losses(launch("zero=stage0", "precision=fp32", f"checkpointing={mode}",
+def test_activation_checkpointing_matches_none(launch2, mode):
+    reference = train_losses(launch2("zero=stage0", "precision=fp32"))
+    assert_close(train_losses(launch2("zero=stage0", "precision=fp32", f"checkpointing={mode}",
                                      "checkpointing.every_n_layers=1" if mode == "full" else "checkpointing.every_n_layers=2")),
                  reference, FP32_TOL)

@@ -1,0 +1,235 @@
+"""Pre-flight estimate of a training job: parameters, memory per rank, FLOPs per step, days to train.
+
+    python scripts/estimate.py model=gpt2-xl zero=stage3 offload=cpu trainer.micro_batch_size=4 world=64
+    python scripts/estimate.py model=gpt2-large checkpointing=full world=16 tokens=300e9 tflops=150
+
+Arguments are train.py's Hydra overrides plus the keys of the estimate itself:
+    world=N          ranks (GPUs) of the job (1)
+    gpus_per_node=N  ranks per node: host memory per node, DeepSpeed's estimators (min(8, world))
+    tokens=T         tokens to train on (300e9, seed 003's example)
+    tflops=X         achieved TFLOP/s per device counting recomputation, lmrepo's `tflops` metric;
+    gpu=NAME mfu=F   otherwise X comes from NAME's peak (A100; or metrics.peak_tflops=) x MFU F (0.4,
+                     about what seed 003's 18B example reaches: 157.7 TFLOP/s on an A100 with
+                     recomputation is 50.5% of peak, 38% counting model FLOPs only)
+No process group, no GPU, nothing written. A bad argument: one line on stderr, exit 2.
+"""
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from lmrepo import estimate
+from lmrepo.config import check_checkpointing, check_layout, check_model, check_trainer, model_shape
+from lmrepo.ds_config import resolve_batch, zero_section
+from lmrepo.errors import ConfigError
+from lmrepo.launch import register_resolvers
+from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
+
+REPO = Path(__file__).resolve().parents[1]
+
+OWN_KEYS = {"world": (int, 1), "gpus_per_node": (int, None), "tokens": (float, 300e9),
+            "tflops": (float, None), "gpu": (str, "A100"), "mfu": (float, 0.4)}
+OFFLOADS = ("none", "cpu", "nvme")
+GIB = 2**30
+
+
+def fail(message: str) -> NoReturn:
+    print(f"lmrepo: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def split_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """The estimate's own keys out of argv; the rest are Hydra overrides."""
+    own, overrides = {k: default for k, (_, default) in OWN_KEYS.items()}, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in OWN_KEYS:
+            overrides.append(arg)
+            continue
+        kind = OWN_KEYS[key][0]
+        if kind is str:
+            own[key] = value
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            fail(f"{key}={value} is not a number")
+        if not number > 0 or (kind is int and not number.is_integer()):
+            fail(f"{key}={value} must be a positive {'integer' if kind is int else 'number'}")
+        own[key] = kind(number)
+    own["gpus_per_node"] = own["gpus_per_node"] or min(8, own["world"])
+    if own["world"] % own["gpus_per_node"]:
+        fail(f"gpus_per_node={own['gpus_per_node']} does not divide world={own['world']}")
+    if own["mfu"] > 1:
+        fail(f"mfu={own['mfu']} must be a fraction in (0, 1]")
+    return own, overrides
+
+
+def compose_config(overrides: list[str]):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        # run.dir interpolates ${hydra:...}, which only a running Hydra app resolves.
+        return compose(config_name="train", overrides=[*overrides, "run.dir=/nonexistent/lmrepo-estimate"])
+
+
+@dataclass
+class Job:
+    cfg: DictConfig
+    own: dict
+    shape: dict
+    dp: int
+    global_batch: int
+    micro: int
+    offload_params: bool
+
+
+def load_job(argv: list[str]) -> Job:
+    """The composed config, held to train.py's checks that do not need a device or the data."""
+    own, overrides = split_args(argv)
+    try:
+        cfg = compose_config(overrides)
+        check_trainer(cfg.trainer)
+        check_model(cfg.model, cfg.data)
+        check_checkpointing(cfg.checkpointing, cfg.model)
+        dp = check_layout(cfg, own["world"])
+        global_batch, micro, _ = resolve_batch(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
+                                               cfg.trainer.grad_accum, dp)
+        return Job(cfg, own, model_shape(cfg.model), dp, global_batch, micro,
+                   offload_params="offload_param" in zero_section(cfg.zero, cfg.offload))
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(str(err).strip().splitlines()[0])
+    except ConfigError as err:
+        fail(str(err))
+    except TypeError as err:  # the YAML has no schema: `trainer.micro_batch_size=abc` composes
+        fail(f"a value has the wrong type ({err}): check the numbers given on the command line")
+
+
+def deepspeed_figures(params: int, largest: int, stage: int, offload: str, offload_params: bool,
+                      gpus_per_node: int, nodes: int, zero_init: bool) -> tuple[float, float] | None:
+    """(GPU per rank, CPU per node) bytes from DeepSpeed's own estimators, for the cases they cover."""
+    if offload == "nvme" or stage < 2:
+        return None
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cpu_offload = offload == "cpu"
+    if stage == 2:
+        cpu, gpu = estimate_zero2_model_states_mem_needs(params, gpus_per_node, nodes, cpu_offload)
+    else:
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, gpus_per_node, nodes, cpu_offload,
+                                                            offload_params, zero_init)
+    return gpu, cpu
+
+
+def print_model_states(job: Job, params: int, largest: int) -> None:
+    cfg, gpn = job.cfg, job.own["gpus_per_node"]
+    dtype, stage, target = cfg.precision.dtype, cfg.zero.stage, cfg.offload.target
+    param_b, grad_b, optim_b = estimate.bytes_per_param(dtype)
+    print(f"\nModel states per rank, GiB ({dtype} + Adam: {param_b} params + {grad_b} grads + {optim_b} optimizer "
+          f"bytes/param; ZeRO over {job.dp} ranks; offloaded grads fp32)")
+    print(f"    {'zero':<7}{'offload':<9}{'GPU':>9}{'CPU':>9}{'NVMe':>9}{'CPU/node':>10} | "
+          f"{'DeepSpeed: GPU':>14}{'CPU/node':>10}")
+    for st in range(4):
+        for off in OFFLOADS:
+            this_job = (st, off) == (stage, target)
+            # Other rows take the offload group's default: parameters offloaded too at stage 3.
+            off_params = job.offload_params if this_job else off != "none" and st == 3
+            try:
+                ours = estimate.model_state_bytes(params, st, job.dp, off, off_params, dtype)
+            except ValueError:
+                continue
+            # DeepSpeed's multipliers assume 16-bit training.
+            theirs = None if dtype == "fp32" else deepspeed_figures(
+                params, largest, st, off, off_params, gpn, job.own["world"] // gpn, cfg.model.zero_init)
+            ds = f"{theirs[0] / GIB:>14.2f}{theirs[1] / GIB:>10.2f}" if theirs else f"{'-':>14}{'-':>10}"
+            print(f"  {'* ' if this_job else '  '}{'stage' + str(st):<7}{off:<9}{ours.gpu / GIB:>9.2f}"
+                  f"{ours.cpu / GIB:>9.2f}{ours.nvme / GIB:>9.2f}{ours.cpu * gpn / GIB:>10.2f} | {ds}")
+    print("  * = this job. DeepSpeed's estimators (16-bit, stages 2-3, no or cpu offload) also count the fp32\n"
+          "  gradient partition its step makes (+4 bytes/param/dp at stage 2, +2 at stage 3), 4 bytes x the\n"
+          "  largest module at stage 3, a x1.5 host buffer factor and\n  "
+          + ("(model.zero_init) no model copy at start." if cfg.model.zero_init else
+             "(no model.zero_init) a full fp32 model per rank in host memory at start; their stage-2\n"
+             "  figure puts all ranks' copies on every node."))
+
+
+def print_activations(job: Job, checkpointed: int) -> None:
+    l, a, h, V = (job.shape[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size"))
+    s, b = job.cfg.data.block_size, job.micro
+    print(f"\nActivations per rank, GiB (Korthikanti et al. 2022; micro batch {b} x {s} tokens)")
+    print(f"    {'one layer s*b*h*(34 + 5*a*s/h)':<45}{estimate.activation_bytes_per_layer(s, b, h, a) / GIB:>9.2f}")
+    rows = [("no checkpointing", 0), ("full checkpointing (2*s*b*h per layer)", l)]
+    if checkpointed not in (0, l):
+        every = job.cfg.checkpointing.every_n_layers
+        rows.append((f"every {every} layers ({checkpointed} checkpointed)", checkpointed))
+    for label, n in rows:
+        total = estimate.activation_bytes(l, h, a, V, s, b, n, job.cfg.precision.dtype)
+        print(f"  {'* ' if n == checkpointed else '  '}{label:<45}{total / GIB:>9.2f}")
+    print("  totals include the output layer, 4sbh(1 + V/h) with fp32 logits; an upper bound under fused\n"
+          "  attention (no s x s scores) and dropout 0 (no masks)")
+
+
+def print_compute(job: Job, params: int, checkpointed: int, peak: float | None) -> None:
+    l, h, V = (job.shape[k] for k in ("n_layer", "n_embd", "vocab_size"))
+    s, world, tokens, dtype = job.cfg.data.block_size, job.own["world"], job.own["tokens"], job.cfg.precision.dtype
+    model_flops = flops_per_token(l, h, s, V, recompute=False)
+    executed = executed_flops_per_token(l, h, s, V, checkpointed)
+    if job.own["tflops"] is not None:
+        x, source = job.own["tflops"], "given"
+    else:
+        # MFU counts model FLOPs only: the executed rate also runs the recomputed forwards.
+        x = peak * job.own["mfu"] * executed / model_flops
+        source = f"{job.own['gpu']} {dtype} peak {peak:g} x MFU {job.own['mfu']:g}"
+    step_flops = executed * job.global_batch * s
+    seed = estimate.train_seconds(tokens, params, world, x, recompute=bool(checkpointed))
+    print("\nCompute")
+    print(f"  FLOPs per token: model {model_flops:.4g} (72 form), executed {executed:.4g}"
+          + (f" (recomputing {checkpointed} layers)" if checkpointed else ""))
+    print(f"  FLOPs per step:  {step_flops:.4g}")
+    print(f"  X = {x:.1f} TFLOP/s per device ({source}): {step_flops / (world * x * 1e12):.3f} s per step")
+    print(f"  {tokens:,.0f} tokens on {world} device(s): {tokens * executed / (world * x * 1e12) / 86400:,.1f} days "
+          f"(seed 003: {8 if checkpointed else 6}TP/(nX) = {seed / 86400:,.1f} days)")
+
+
+def main(argv: list[str]) -> None:
+    job = load_job(argv)
+    cfg, own = job.cfg, job.own
+    model = estimate.meta_model(cfg.model)
+    params, largest = estimate.count_parameters(model), estimate.largest_module_parameters(model)
+    try:
+        estimate.model_state_bytes(params, cfg.zero.stage, job.dp, cfg.offload.target, job.offload_params)
+    except ValueError as err:
+        fail(f"zero=stage{cfg.zero.stage} offload={cfg.offload.target}: {err}")
+    peak = peak_tflops(own["gpu"], cfg.precision.dtype, cfg.metrics.peak_tflops)
+    if own["tflops"] is None and peak is None:
+        fail(f"gpu={own['gpu']} has no known {cfg.precision.dtype} peak: set tflops=X, or metrics.peak_tflops=")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's estimators need no device: skip its probe
+
+    l, h = job.shape["n_layer"], job.shape["n_embd"]
+    checkpointed = estimate.checkpointed_layers(l, cfg.checkpointing)
+    ckpt = ("none" if not checkpointed else "full" if checkpointed == l
+            else f"every {cfg.checkpointing.every_n_layers} layers")
+    s, world, gpn = cfg.data.block_size, own["world"], own["gpus_per_node"]
+    print(f"{cfg.model.name} ({type(model).__name__}): zero=stage{cfg.zero.stage} offload={cfg.offload.target} "
+          f"precision={cfg.precision.dtype} checkpointing={ckpt}")
+    print(f"{world} rank(s) = {world // gpn} node(s) x {gpn}, {job.dp} data-parallel; {job.global_batch} sequences "
+          f"({job.micro} per rank per micro batch) x {s} tokens = {job.global_batch * s:,} tokens per step")
+
+    formula = estimate.formula_parameters(l, h, job.shape["vocab_size"], job.shape["n_positions"])
+    print("\nParameters")
+    print(f"  exact (transformers, tied embedding once)      {params:>16,}")
+    print(f"  seed 003: 12lh^2(1 + 13/12h + (V+s)/12lh)      {formula:>16,.0f}   ({formula - params:+,.0f}; l={l} "
+          f"h={h} V={job.shape['vocab_size']} s={job.shape['n_positions']})")
+    print(f"  largest module (ZeRO-3 gathers it whole)       {largest:>16,}")
+    print_model_states(job, params, largest)
+    print_activations(job, checkpointed)
+    print_compute(job, params, checkpointed, peak)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,155 @@
+"""Checkpoints that never lose work, on real 2-rank CPU runs: resumed equals uninterrupted,
+kill -9 during a save keeps a loadable `latest`, SIGTERM saves and stops, a different
+data-parallel size resumes through the universal format, export to Hugging Face."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import DEEPSPEED, REPO, TINY, assert_ok, compose_config, free_port, read_metrics, run_train
+
+pytestmark = pytest.mark.distributed
+
+FIRST = "checkpoints/step_00000003"
+
+
+def trajectory(run_dir: Path, after: int = 0) -> list[tuple]:
+    """(step, loss, lr) and (step, eval_loss) lines past `after`: what must match exactly."""
+    return [(m["step"], m.get("loss"), m.get("lr"), m.get("eval_loss")) for m in read_metrics(run_dir) if m["step"] > after]
+
+
+@pytest.mark.parametrize("overrides", [
+    ("zero=stage0", "precision=fp32"),
+    ("zero=stage1", "precision=bf16"),
+    ("zero=stage2", "precision=fp32", "offload=cpu"),
+    ("zero=stage2", "precision=bf16", "trainer.grad_accum=2"),
+    ("zero=stage3", "precision=fp32"),
+    ("zero=stage3", "precision=bf16"),
+], ids=lambda o: "-".join(v.split("=")[1] for v in o))
+def test_resumed_run_equals_uninterrupted(launch2, overrides):
+    uninterrupted = launch2(*overrides)
+    resumed = launch2(*overrides, f"run.resume={uninterrupted / FIRST}")
+    assert trajectory(resumed) == trajectory(uninterrupted, after=3)  # bit for bit: loss, lr, eval loss
+
+
+def test_resume_on_one_rank_through_the_universal_checkpoint(launch2, tmp_path):
+    """2 ranks -> 1 rank: the ZeRO-2 partitions are re-cut automatically; same global batch (grad_accum 2)."""
+    two_ranks = launch2("zero=stage2", "precision=fp32")
+    run_dir = tmp_path / "one"
+    proc = run_train([*TINY, "zero=stage2", "precision=fp32", "trainer.grad_accum=2",
+                      f"run.resume={two_ranks / FIRST}"], run_dir)
+    assert_ok(proc)
+    assert (two_ranks / (FIRST + "_universal")).is_dir()
+    ours, theirs = trajectory(run_dir), trajectory(two_ranks, after=3)
+    assert [t[0] for t in ours] == [t[0] for t in theirs]
+    for (_, loss, lr, _), (_, ref_loss, ref_lr, _) in zip(ours, theirs):
+        assert lr == ref_lr
+        if loss is not None:
+            assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # one rank sums the batch in another order
+
+
+def popen_two_ranks(overrides: list[str], run_dir: Path) -> subprocess.Popen:
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "train.py"),
+           *TINY, *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(cmd, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for(predicate, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.2)
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigterm_saves_and_stops_then_auto_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.lr_decay=constant"]
+    proc = popen_two_ranks(overrides, run_dir)
+    wait_for(lambda: logged_steps(run_dir) >= 3)
+    # As Slurm's pre-emption and a terminal's Ctrl-C do: the signal reaches every process of the job.
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "stopped" and status["signal"] == "SIGTERM", output[-3000:]
+    stopped_at = status["final"]["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+    assert "run.resume=auto" in output
+    resumed = run_train([*TINY, *overrides, f"trainer.max_steps={stopped_at + 2}", "run.resume=auto"], run_dir, ranks=2)
+    assert_ok(resumed)
+    steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+    assert steps == list(range(1, stopped_at + 3)), "no step replayed or skipped"
+
+
+def test_kill_9_during_saves_keeps_latest_loadable(tmp_path):
+    run_dir = tmp_path / "run"
+    # A checkpoint every step: most of the run's time is spent saving, so the kill lands in one.
+    proc = popen_two_ranks(["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.save_every=1"], run_dir)
+    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 4)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    files = sorted(p.name for p in (run_dir / "checkpoints" / latest).iterdir())
+    assert {"mp_rank_00_model_states.pt", "rng_rank00000.pt", "rng_rank00001.pt"} <= set(files)
+    assert sum("zero_pp_rank" in f for f in files) == 2
+    step = int(latest.split("_")[1])
+    resumed = run_train([*TINY, "zero=stage2", "precision=fp32", f"trainer.max_steps={step + 1}", "run.resume=auto"],
+                        run_dir, ranks=2)
+    assert_ok(resumed)
+    assert f"resumed from {run_dir / 'checkpoints' / latest} at step {step}" in resumed.stdout
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_export_loads_in_transformers_with_the_runs_eval_loss(launch2, tmp_path, stage):
+    from transformers import AutoModelForCausalLM
+
+    from lmrepo.data.loader import Layout, LMData
+    from lmrepo.data.prepare import prepare
+    from lmrepo.tokenizer import load_tokenizer
+
+    run_dir = launch2(f"zero=stage{stage}", "precision=fp32")
+    out = tmp_path / "hf"
+    proc = subprocess.run([str(Path(DEEPSPEED).with_name("python")), str(REPO / "scripts" / "export_hf.py"),
+                           str(run_dir), str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    # The run evaluated 2 batches on each of 2 ranks: the same blocks are 4 batches on one.
+    data = LMData(prepare(cfg.data, tokenizer), cfg.data.block_size, "gpt2", tokenizer,
+                  Layout(global_batch=4, micro_batch=4, dp_rank=0, dp_size=1), cfg.trainer.seed, eval_batches=4)
+    with torch.no_grad():
+        eval_loss = torch.stack([model(**batch).loss for batch in data.eval_batches()]).mean().item()
+    expected = [m["eval_loss"] for m in read_metrics(run_dir) if "eval_loss" in m][-1]
+    assert abs(eval_loss - expected) <= 1e-5 * expected
+
+
+def test_corrupt_and_mismatched_checkpoints_stop_before_training(launch2, tmp_path):
+    source = launch2("zero=stage0", "precision=fp32") / FIRST
+    broken = tmp_path / "broken" / "step_00000003"
+    shutil.copytree(source, broken)
+    states = broken / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
+    cases = [
+        ([f"run.resume={broken}"], "truncated"),
+        ([f"run.resume={source}", "model.n_embd=128"], "another model"),
+        ([f"run.resume={source}", "model.tokenizer=bert", "model.vocab_size=50257"], "vocabulary"),
+    ]
+    for overrides, expected in cases:
+        run_dir = tmp_path / "runs" / expected.replace(" ", "_")
+        proc = run_train([*TINY, *overrides], run_dir)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert expected in proc.stderr and "Traceback" not in proc.stderr
+        assert not run_dir.exists()

@@ -1,0 +1,245 @@
+"""The pre-flight estimator: formulas against hand-computed values and the seed 003 examples, exact
+parameter counts against transformers, model-state memory against the ZeRO paper and DeepSpeed's
+own estimators, and scripts/estimate.py as a user runs it."""
+import importlib.util
+import subprocess
+
+import pytest
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from lmrepo import estimate
+from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
+from conftest import PYTHON, REPO, compose_config
+
+PRESETS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+# The well-known totals of the GPT-2 checkpoints as transformers counts them (tied head once).
+PUBLISHED = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
+DAY = 86400
+
+
+def test_parameter_formula_gpt2_124m():
+    # 12*12*768^2 + 13*12*768 + (50257 + 1024)*768, computed by hand.
+    hand = 84_934_656 + 119_808 + 39_383_808
+    assert estimate.formula_parameters(12, 768, 50257, 1024) == pytest.approx(hand, abs=1e-3)
+    # The formula leaves out GPT-2's final layer norm (weight and bias, 2h).
+    assert PUBLISHED["gpt2"] - 124_438_272 == 2 * 768
+
+
+def test_flops_per_token_gpt2_124m():
+    # Forward per token: per layer QKV 6h^2, scores and weighted values 4sh, projection 2h^2, MLP 16h^2;
+    # logits 2hV. Backward is twice the forward; recomputation reruns the layers' forward once more.
+    layers = 12 * (24 * 768**2 + 4 * 1024 * 768)      # 207,618,048
+    logits = 2 * 768 * 50257                           # 77,194,752
+    assert layers == 207_618_048 and logits == 77_194_752
+    assert flops_per_token(12, 768, 1024, 50257, recompute=False) == pytest.approx(3 * (layers + logits), rel=1e-12)
+    assert flops_per_token(12, 768, 1024, 50257, recompute=True) == pytest.approx(4 * layers + 3 * logits, rel=1e-12)
+    assert executed_flops_per_token(12, 768, 1024, 50257, 0) == pytest.approx(3 * (layers + logits), rel=1e-12)
+    assert executed_flops_per_token(12, 768, 1024, 50257, 12) == pytest.approx(4 * layers + 3 * logits, rel=1e-12)
+    assert executed_flops_per_token(12, 768, 1024, 50257, 6) == pytest.approx(3.5 * layers + 3 * logits, rel=1e-12)
+
+
+def test_seed_003_18b_example():
+    """Seed 003, sec. 4.4: l=40, h=6144, V=50257 and s=1048 (sic) give 18,437,806,080 parameters;
+    batch 512 on 16 GPUs at 32.09 s per iteration is 157.7296879710454 TFLOP/s per GPU, 50.554% of
+    the A100's 312; 300B tokens then take 203 days (rounded). The seed writes T = 300*10e09 and
+    divides by PF*10e12: both are 10x too large and cancel."""
+    l, h, V, s = 40, 6144, 50257, 1048
+    assert int(estimate.formula_parameters(l, h, V, s)) == 18_437_806_080
+    tflops = 512 * s * flops_per_token(l, h, s, V, recompute=True) / 32.09 / 16 / 1e12
+    assert tflops == pytest.approx(157.7296879710454, rel=1e-12)
+    peak = peak_tflops("NVIDIA A100-SXM4-80GB", "bf16", None)
+    assert peak == 312.0
+    assert 100 * tflops / peak == pytest.approx(50.55438717020686, rel=1e-12)
+    P = estimate.formula_parameters(l, h, V, s)
+    assert round(estimate.train_seconds(300e9, P, 16, tflops, recompute=True) / DAY) == 203
+    # ...and its GPT-3 example: 175B parameters, 300B tokens, 1024 GPUs at 140 TFLOP/s: 34 days.
+    assert round(estimate.train_seconds(300e9, 175e9, 1024, 140, recompute=True) / DAY) == 34
+
+
+def test_train_seconds_and_mfu_arithmetic():
+    # 6*T*P/(n*X) without recomputation: 6 * 1e9 * 1e8 / (2 * 100e12) = 3000 s.
+    assert estimate.train_seconds(1e9, 1e8, 2, 100, recompute=False) == pytest.approx(3000)
+    assert estimate.train_seconds(1e9, 1e8, 2, 100, recompute=True) == pytest.approx(4000)
+    # MFU against an overridden peak: the override wins over the device table (and the CPU's unknown peak).
+    assert peak_tflops("cpu", "bf16", None) is None
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16", 400.0) == 400.0
+    tokens_per_s = 1e5
+    model_tflops = tokens_per_s * flops_per_token(12, 768, 1024, 50257, recompute=False) / 1e12
+    assert model_tflops / peak_tflops("cpu", "bf16", 400.0) == pytest.approx(85.4438400 / 400, rel=1e-9)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_exact_parameters_of_every_preset(preset):
+    cfg = compose_config([f"model={preset}"])
+    model = estimate.meta_model(cfg.model)
+    counted = estimate.count_parameters(model)
+    # Unique by identity over all parameter references: the tied LM head is the embedding itself.
+    unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
+    assert counted == sum(unique.values())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    m = cfg.model
+    l, h, V, s = m.n_layer, m.n_embd, m.vocab_size, m.n_positions
+    if m.family == "gpt2":
+        expected = round(estimate.formula_parameters(l, h, V, s)) + 2 * h   # + final layer norm
+    else:
+        # BERT: the same blocks (n_inner = 4h) and embeddings, plus 2 token types, the embedding
+        # norm, and the MLM head's dense h x h, its norm and the decoder bias.
+        assert m.n_inner == 4 * h
+        expected = l * (12 * h * h + 13 * h) + (V + s + 2) * h + 2 * h + (h * h + h) + 2 * h + V
+    assert counted == expected
+    if preset in PUBLISHED:
+        assert counted == PUBLISHED[preset]
+
+
+def test_largest_module_is_the_token_embedding():
+    model = estimate.meta_model(compose_config(["model=gpt2"]).model)
+    assert estimate.largest_module_parameters(model) == 50257 * 768
+
+
+def test_model_states_zero_paper_figure_1():
+    """ZeRO (Rajbhandari et al. 2020) Fig. 1: 7.5B parameters, 64 ranks, K=12: 120, 31.4, 16.6 and
+    1.9 GB per device for the baseline and stages 1, 2, 3."""
+    psi = 7.5e9
+    gb = [estimate.model_state_bytes(psi, stage, 64).gpu / 1e9 for stage in range(4)]
+    assert gb == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+    # Seed 000: stage 1 cuts model states 4x, stage 2 8x (many ranks); stage 3 by the rank count.
+    many = [estimate.model_state_bytes(psi, stage, 10**6).gpu for stage in range(4)]
+    assert many[0] / many[1] == pytest.approx(4, rel=1e-4) and many[0] / many[2] == pytest.approx(8, rel=1e-4)
+    assert estimate.model_state_bytes(psi, 3, 64).gpu == pytest.approx(16 * psi / 64)
+
+
+def test_model_states_offload_placement():
+    P, N = 1_000_000, 8
+    assert estimate.model_state_bytes(P, 1, N, "cpu") == estimate.ModelStates(gpu=4 * P, cpu=16 * P / N, nvme=0)
+    assert estimate.model_state_bytes(P, 2, N, "cpu") == estimate.ModelStates(gpu=2 * P, cpu=16 * P / N, nvme=0)
+    assert estimate.model_state_bytes(P, 3, N, "cpu") == estimate.ModelStates(gpu=0, cpu=18 * P / N, nvme=0)
+    assert estimate.model_state_bytes(P, 3, N, "cpu", offload_params=False) == \
+        estimate.ModelStates(gpu=2 * P / N, cpu=16 * P / N, nvme=0)
+    assert estimate.model_state_bytes(P, 3, N, "nvme") == estimate.ModelStates(gpu=0, cpu=4 * P / N, nvme=14 * P / N)
+    # fp32: 4 + 4 + 8 at stage 0; DeepSpeed's ZeRO-1/2 optimizer adds its own fp32 partition copy.
+    assert estimate.model_state_bytes(P, 0, N, dtype="fp32").gpu == 16 * P
+    assert estimate.model_state_bytes(P, 2, N, dtype="fp32").gpu == 4 * P + 16 * P / N
+    assert estimate.model_state_bytes(P, 3, N, dtype="fp32").gpu == 16 * P / N
+    for stage, offload, params in ((0, "cpu", None), (2, "nvme", None), (2, "cpu", True)):
+        with pytest.raises(ValueError):
+            estimate.model_state_bytes(P, stage, N, offload, params)
+
+
+# DeepSpeed's estimators against ours. Their GPU figures add transients ours leave out on purpose
+# (steady state, ZeRO paper): the fp32 copy of the gradient partition the optimizer step makes
+# without offload (stage_1_and_2.py: `single_partition_of_fp32_groups[i].grad`; 4 bytes/param/dp on
+# top of our 16-bit partition at ZeRO-2; in place of it, +2, at ZeRO-3) and at ZeRO-3 the gathered
+# largest module (4 bytes: its 16-bit parameters and gradients). Their host figures are per node,
+# times additional_buffer_factor=1.5 (a safety margin for pinned buffers and fragmentation), and
+# without zero_init include the full fp32 model every local rank builds in host memory before it
+# is partitioned (4 bytes/param per rank; ZeRO-2's version counts all ranks of all nodes).
+P, LARGEST, BUFFER = 1_557_611_200, 80_411_200, 1.5
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2, 8])
+def test_matches_deepspeed_zero2(gpus_per_node):
+    N = gpus_per_node
+    ours = estimate.model_state_bytes(P, 2, N)
+    cpu, gpu = estimate_zero2_model_states_mem_needs(P, gpus_per_node, 1, cpu_offload=False)
+    assert gpu == pytest.approx(ours.gpu + 4 * P / N, abs=1)
+    assert ours.cpu == 0 and cpu == pytest.approx(BUFFER * 4 * P * gpus_per_node)
+    ours = estimate.model_state_bytes(P, 2, N, "cpu")
+    cpu, gpu = estimate_zero2_model_states_mem_needs(P, gpus_per_node, 1, cpu_offload=True)
+    assert gpu == pytest.approx(ours.gpu, abs=1)
+    assert cpu == pytest.approx(BUFFER * max(ours.cpu * gpus_per_node, 4 * P * N), abs=1)
+
+
+@pytest.mark.parametrize("nodes,gpus_per_node", [(1, 1), (1, 8), (2, 8), (8, 8)])
+@pytest.mark.parametrize("zero_init", [True, False])
+def test_matches_deepspeed_zero3(nodes, gpus_per_node, zero_init):
+    N = nodes * gpus_per_node
+    init_copy = 0 if zero_init else 4 * P * gpus_per_node
+    for offload, params in (("none", False), ("cpu", True), ("cpu", False)):
+        ours = estimate.model_state_bytes(P, 3, N, offload, params)
+        cpu, gpu, largest_memory = estimate_zero3_model_states_mem_needs(
+            P, LARGEST, gpus_per_node, nodes, cpu_offload=offload == "cpu", cpu_offload_params=params,
+            zero_init=zero_init)
+        assert largest_memory == 4 * LARGEST
+        fp32_grads = 2 * P / N if offload == "none" else 0
+        assert gpu == pytest.approx(ours.gpu + 4 * LARGEST + fp32_grads, abs=1), offload
+        if offload == "none":
+            # Their host figure is then only the model construction: the largest module with zero_init.
+            assert cpu == pytest.approx(BUFFER * (4 * LARGEST * gpus_per_node if zero_init else init_copy))
+        else:
+            assert cpu == pytest.approx(BUFFER * max(ours.cpu * gpus_per_node, init_copy), abs=1), offload
+
+
+def test_activation_memory_gpt2():
+    # Korthikanti eq. 1, s=1024, b=4, h=768, a=12: sbh = 3,145,728; 34 + 5*12*1024/768 = 114.
+    per_layer = 3_145_728 * 114
+    assert estimate.activation_bytes_per_layer(1024, 4, 768, 12) == pytest.approx(per_layer)
+    output = 4 * 3_145_728 * (1 + 50257 / 768)   # layer norm + projection inputs, fp32 logits
+    assert estimate.activation_bytes(12, 768, 12, 50257, 1024, 4) == pytest.approx(12 * per_layer + output)
+    # Full checkpointing: each layer keeps its 16-bit input (2sbh) and one layer is live in recompute.
+    full = estimate.activation_bytes(12, 768, 12, 50257, 1024, 4, checkpointed_layers=12)
+    assert full == pytest.approx(12 * 2 * 3_145_728 + per_layer + output)
+    half = estimate.activation_bytes(12, 768, 12, 50257, 1024, 4, checkpointed_layers=6)
+    assert half == pytest.approx(6 * per_layer + 6 * 2 * 3_145_728 + per_layer + output)
+    ckpt = compose_config(["model=gpt2", "checkpointing=every_n", "checkpointing.every_n_layers=5"]).checkpointing
+    assert estimate.checkpointed_layers(12, ckpt) == 3
+
+
+def run_estimate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, str(REPO / "scripts" / "estimate.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_script_prints_the_estimate():
+    proc = run_estimate("model=gpt2-xl", "zero=stage3", "offload=cpu", "trainer.micro_batch_size=4", "world=64",
+                        "data.block_size=1024", "tflops=150", "checkpointing=full")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "1,557,611,200" in out and "1,557,608,000" in out and "80,411,200" in out
+    chosen = next(line for line in out.splitlines() if line.strip().startswith("* stage3"))
+    ours = estimate.model_state_bytes(P, 3, 64, "cpu")
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(P, LARGEST, 8, 8, True, True, False)
+    figures = [ours.gpu, ours.cpu, ours.nvme, 8 * ours.cpu, gpu, cpu]
+    assert chosen.split() == ["*", "stage3", "cpu", *(f"{b / 2**30:.2f}" for b in figures[:4]), "|",
+                              *(f"{b / 2**30:.2f}" for b in figures[4:])]
+    assert "262,144 tokens per step" in out
+    step_flops = 262_144 * flops_per_token(48, 1600, 1024, 50257, recompute=True)
+    assert f"FLOPs per step:  {step_flops:.4g}" in out
+    days = 300e9 * flops_per_token(48, 1600, 1024, 50257, recompute=True) / (64 * 150e12) / DAY
+    assert f"{days:,.1f} days" in out
+    assert proc.stderr == ""
+
+
+def test_script_bad_input():
+    proc = run_estimate("world=0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["lmrepo: error: world=0 must be a positive integer"]
+    assert proc.stdout == ""
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("estimate_script", REPO / "scripts" / "estimate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("args", [[], ["model=gpt2-xl", "zero=stage3", "offload=cpu", "trainer.micro_batch_size=4",
+                                       "world=64"], ["model=bert-tiny", "checkpointing=every_n", "precision=fp32"],
+                                  ["zero=stage3", "offload=nvme", "gpu=H100", "mfu=0.5", "tokens=1e9"]])
+def test_script_in_process(args, capsys):
+    load_script().main(args)
+    out, err = capsys.readouterr()
+    assert "Parameters" in out and "Model states" in out and "days" in out and err == ""
+
+
+@pytest.mark.parametrize("args,key", [(["no_such_key=1"], "no_such_key"), (["model=gpt5"], "model/gpt5"),
+                                      (["zero=stage1", "offload=nvme"], "NVMe offload needs ZeRO-3"),
+                                      (["tflops=-3"], "tflops=-3"), (["world=6", "gpus_per_node=4"], "gpus_per_node"),
+                                      (["model=gpt2", "data.block_size=2048"], "data.block_size=2048")])
+def test_script_bad_input_in_process(args, key, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().main(args)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and key in err
