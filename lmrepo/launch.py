@@ -54,6 +54,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def adopt_slurm_env() -> None:
+    """A job started by Slurm (hydra/launcher=slurm, or srun) has SLURM_PROCID / SLURM_NTASKS per
+    task but no RANK: submitit derives RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT from them."""
+    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # submitit sets it in its jobs; a plain srun does not
+
+    # Every task keeps all GPUs of its node visible: DeepSpeed picks cuda:LOCAL_RANK itself.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def ensure_single_process_env() -> None:
     """A plain `python train.py` has no launcher: without these, deepspeed.init_distributed
     falls back to MPI discovery and dies on the missing mpi4py."""

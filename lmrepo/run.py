@@ -10,7 +10,7 @@ from transformers import set_seed
 from lmrepo import checkpoint, launch
 from lmrepo.config import check_vocab, detect_device, model_shape, validate
 from lmrepo.data.loader import Layout, LMData
-from lmrepo.data.prepare import prepare
+from lmrepo.data.prepare import prepare_sources
 from lmrepo.engine import build_engine, init_distributed
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.loggers import build_sinks
@@ -46,8 +46,8 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
         resume = checkpoint.prepare_universal(resume, world)
         if resume.universal:
             ds_config["checkpoint"] = {"load_universal": True}
-    token_dir = prepare(cfg.data, tokenizer)
-    return device, ds_config, user_changed, tokenizer, token_dir, resume
+    data_sources = prepare_sources(cfg.data, tokenizer)
+    return device, ds_config, user_changed, tokenizer, data_sources, resume
 
 
 def throughput_of(cfg: DictConfig, ds_config: dict, device) -> Throughput:
@@ -62,10 +62,11 @@ def throughput_of(cfg: DictConfig, ds_config: dict, device) -> Throughput:
 
 
 def train(cfg: DictConfig) -> dict:
+    launch.adopt_slurm_env()
     run_dir = Path(cfg.run.dir)
     rank0 = launch.rank() == 0
     try:
-        device, ds_config, user_changed, tokenizer, token_dir, resume = prepare_job(cfg, run_dir)
+        device, ds_config, user_changed, tokenizer, data_sources, resume = prepare_job(cfg, run_dir)
     except ConfigError as err:
         fail(str(err), run_dir)
 
@@ -87,7 +88,7 @@ def train(cfg: DictConfig) -> dict:
 
     sinks, started = None, time.time()
     try:
-        data = LMData(token_dir, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
+        data = LMData(data_sources, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
                       cfg.trainer.eval_batches)
         state = checkpoint.load(engine, resume) if resume else TrainState()
         if rank0:

@@ -6,6 +6,10 @@ batches and data-parallel ranks. The position in the stream (samples consumed) i
 state there is: a resumed run reads exactly the blocks the uninterrupted one would have, with
 any micro-batch / grad-accum / rank layout, and every layout of the same global batch gives
 each optimizer step the same set of samples.
+
+A mixture of sources (`data=mixture`) keeps that contract: each stream position is assigned
+a source by a seeded shuffle of a fixed pattern that holds every source in proportion to its
+weight, and each source's own blocks are drawn from its own endless per-epoch permutation.
 """
 from dataclasses import dataclass
 
@@ -22,9 +26,37 @@ class TokenBlocks:
     def __len__(self) -> int:
         return len(self.tokens) // self.block_size
 
+    def row(self, index: int) -> np.ndarray:
+        return self.tokens[index * self.block_size:(index + 1) * self.block_size]
+
     def get(self, indices) -> torch.Tensor:
-        rows = [self.tokens[i * self.block_size:(i + 1) * self.block_size] for i in indices]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return torch.from_numpy(np.stack([self.row(i) for i in indices]).astype(np.int64))
+
+
+class MixtureBlocks(TokenBlocks):
+    """Several sources' blocks as one index space: source k holds [offsets[k], offsets[k + 1])."""
+
+    def __init__(self, parts: list[TokenBlocks]):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def row(self, index: int) -> np.ndarray:
+        k = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return self.parts[k].row(index - int(self.offsets[k]))
+
+
+def periodic(start: int, count: int, period: int, cycle) -> np.ndarray:
+    """Positions [start, start + count) of the endless sequence cycle(0), cycle(1), ..., each of length `period`."""
+    parts, position = [np.empty(0, dtype=np.int64)], start
+    while position < start + count:
+        index, within = divmod(position, period)
+        take = min(period - within, start + count - position)
+        parts.append(cycle(index)[within:within + take])
+        position += take
+    return np.concatenate(parts)
 
 
 @dataclass(frozen=True)
@@ -41,13 +73,7 @@ class SampleOrder:
 
     def stream(self, start: int, count: int) -> np.ndarray:
         """Block indices at stream positions [start, start + count), across epoch boundaries."""
-        parts, position = [], start
-        while position < start + count:
-            epoch, within = divmod(position, self.n_blocks)
-            take = min(self.n_blocks - within, start + count - position)
-            parts.append(self._permutation(epoch)[within:within + take])
-            position += take
-        return np.concatenate(parts)
+        return periodic(start, count, self.n_blocks, self._permutation)
 
     def micro_batches(self, consumed: int) -> list[np.ndarray]:
         """This rank's block indices for each micro batch of the step that starts after
@@ -61,8 +87,67 @@ class SampleOrder:
         return consumed // self.n_blocks
 
 
-def eval_indices(n_blocks: int, micro_batch: int, dp_rank: int, dp_size: int, batches: int) -> list[np.ndarray]:
-    """The same held-out blocks at every evaluation, split across ranks without overlap."""
-    per_rank = min(batches, n_blocks // (micro_batch * dp_size)) * micro_batch
-    mine = np.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+# Stream positions per mixture pattern: each source's share is exact within every period (to
+# 1/MIXTURE_PERIOD), and a source's position in its own stream is counted without history.
+MIXTURE_PERIOD = 2**14
+
+
+def quotas(weights, total: int) -> np.ndarray:
+    """`total` split in proportion to `weights` by largest remainder: the counts sum to `total`."""
+    exact = np.asarray(weights, dtype=np.float64) / np.sum(weights) * total
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[:total - counts.sum()]] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class MixtureOrder(SampleOrder):
+    """The stream of a mixture: block indices of a MixtureBlocks, sources drawn by weight.
+    `n_blocks` is the total; an "epoch" (epoch_of) is that many samples, while each source runs
+    through its own epochs at the pace its weight sets."""
+    sizes: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        assert sum(self.sizes) == self.n_blocks and len(self.sizes) == len(self.weights) > 0 and min(self.sizes) > 0
+
+    @property
+    def _counts(self) -> np.ndarray:
+        return quotas(self.weights, MIXTURE_PERIOD)
+
+    def _pattern(self, period: int) -> np.ndarray:
+        """The source of each position of one period: a seeded shuffle of the weighted counts."""
+        counts = self._counts
+        return np.random.default_rng([self.seed, 0, period]).permutation(np.repeat(np.arange(len(counts)), counts))
+
+    def _drawn_before(self, source: int, position: int) -> int:
+        """How many of the first `position` samples came from `source`."""
+        period, within = divmod(position, MIXTURE_PERIOD)
+        return period * int(self._counts[source]) + int(np.count_nonzero(self._pattern(period)[:within] == source))
+
+    def _source_permutation(self, source: int, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, 1 + source, epoch]).permutation(self.sizes[source])
+
+    def stream(self, start: int, count: int) -> np.ndarray:
+        chosen = periodic(start, count, MIXTURE_PERIOD, self._pattern)
+        out = np.empty(count, dtype=np.int64)
+        offset = 0
+        for k, size in enumerate(self.sizes):
+            where = np.flatnonzero(chosen == k)
+            # The positions a source gets in [start, start + count) are consecutive in its own stream.
+            first = self._drawn_before(k, start)
+            out[where] = offset + periodic(first, len(where), size, lambda e, k=k: self._source_permutation(k, e))
+            offset += size
+        return out
+
+
+def eval_indices(sizes, weights, micro_batch: int, dp_rank: int, dp_size: int, batches: int) -> list[np.ndarray]:
+    """The same held-out blocks at every evaluation, split across ranks without overlap. A
+    mixture evaluates on the first blocks of each source's held-out split in proportion to the
+    weights (a source with fewer held-out blocks than its share repeats them, so the weights hold)."""
+    per_rank = min(batches, sum(sizes) // (micro_batch * dp_size)) * micro_batch
+    offsets = np.cumsum([0, *sizes])
+    chosen = np.concatenate([offsets[k] + np.arange(n) % sizes[k]
+                             for k, n in enumerate(quotas(weights, per_rank * dp_size))])
+    mine = chosen[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     return [mine[i:i + micro_batch] for i in range(0, per_rank, micro_batch)]

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from transformers import DataCollatorForLanguageModeling
 
-from lmrepo.data.batches import SampleOrder, TokenBlocks, eval_indices
+from lmrepo.data.batches import MixtureBlocks, MixtureOrder, SampleOrder, TokenBlocks, eval_indices
 from lmrepo.data.prepare import open_tokens
 from lmrepo.errors import ConfigError
 
@@ -45,25 +45,39 @@ class Layout:
 
 
 class LMData:
-    """What the loop asks for: the micro batches of a step, and the evaluation batches."""
+    """What the loop asks for: the micro batches of a step, and the evaluation batches.
+    `sources` is one prepared token directory, or a mixture's [(directory, weight), ...]."""
 
-    def __init__(self, token_dir: Path, block_size: int, family: str, tokenizer, layout: Layout, seed: int,
-                 eval_batches: int):
+    def __init__(self, sources: Path | list[tuple[Path, float]], block_size: int, family: str, tokenizer, layout: Layout,
+                 seed: int, eval_batches: int):
+        sources = [(Path(sources), 1.0)] if isinstance(sources, (str, Path)) else [(Path(d), w) for d, w in sources]
         # BERT's block holds the [CLS] and [SEP] it adds: block_size is the model's sequence length.
         content = block_size - 2 if family == "bert" else block_size
         self.inputs = MaskedInputs(tokenizer) if family == "bert" else CausalInputs()
-        self.train_blocks = TokenBlocks(open_tokens(token_dir, "train"), content)
-        self.val_blocks = TokenBlocks(open_tokens(token_dir, "val"), content)
+        train = [TokenBlocks(open_tokens(d, "train"), content) for d, _ in sources]
+        val = [TokenBlocks(open_tokens(d, "val"), content) for d, _ in sources]
+        weights = tuple(float(w) for _, w in sources)
         self.layout, self.seed, self.block_tokens = layout, seed, block_size
+        if len(sources) > 1:
+            for k, (blocks, held_out) in enumerate(zip(train, val)):
+                if len(blocks) == 0 or len(held_out) == 0:
+                    raise ConfigError(f"data.sources[{k}] ({sources[k][0].name}) has {len(blocks)} training and "
+                                      f"{len(held_out)} held-out blocks of {block_size} tokens; every source needs at least one: "
+                                      "use a larger corpus for it or lower data.block_size")
+            self.train_blocks, self.val_blocks = MixtureBlocks(train), MixtureBlocks(val)
+        else:
+            self.train_blocks, self.val_blocks = train[0], val[0]
         if len(self.train_blocks) < layout.global_batch:
             raise ConfigError(f"the training split has {len(self.train_blocks)} blocks of {block_size} tokens, fewer than "
                               f"one global batch of {layout.global_batch}: use a larger corpus or lower data.block_size / the batch size")
         if len(self.val_blocks) < layout.micro_batch * layout.dp_size:
             raise ConfigError(f"the held-out split has {len(self.val_blocks)} blocks, fewer than one micro batch per rank: "
                               "raise data.val_fraction or use a larger corpus")
-        self.order = SampleOrder(len(self.train_blocks), layout.global_batch, layout.micro_batch,
-                               layout.dp_rank, layout.dp_size, seed)
-        self.eval_order = eval_indices(len(self.val_blocks), layout.micro_batch, layout.dp_rank, layout.dp_size, eval_batches)
+        order = (layout.global_batch, layout.micro_batch, layout.dp_rank, layout.dp_size, seed)
+        self.order = (MixtureOrder(len(self.train_blocks), *order, sizes=tuple(len(b) for b in train), weights=weights)
+                      if len(sources) > 1 else SampleOrder(len(self.train_blocks), *order))
+        self.eval_order = eval_indices([len(b) for b in val], weights, layout.micro_batch, layout.dp_rank,
+                                       layout.dp_size, eval_batches)
 
     def train_step(self, consumed: int) -> list[dict]:
         """The micro batches of the optimizer step that starts after `consumed` samples."""

@@ -1,6 +1,7 @@
 """Weights & Biases: online when a key and the server are there, offline files otherwise, never a hang."""
 import netrc
 import os
+import secrets
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -36,13 +37,35 @@ def resolve_mode(requested: str) -> str:
     return "online" if has_api_key() and server_reachable() else "offline"
 
 
+def technique_tags(config: dict) -> list[str]:
+    """One tag per technique choice, so W&B can filter and group by them."""
+    tags = [config["model"]["name"], f"zero{config['zero']['stage']}", config["precision"]["dtype"],
+            f"offload-{config['offload']['target']}", f"pipeline-{config['pipeline']['schedule']}"]
+    if config["checkpointing"]["enabled"]:
+        tags.append(f"act-ckpt-every{config['checkpointing']['every_n_layers']}")
+    return tags
+
+
+def run_id(run_dir: Path) -> str:
+    """The same W&B run across resumes of one run directory."""
+    path = run_dir / "wandb_run_id"
+    if not path.exists():
+        path.write_text(secrets.token_hex(4))
+    return path.read_text().strip()
+
+
 class WandbSink:
+    """One W&B run per job. In a sweep the lmrepo launcher sets LMREPO_SWEEP_GROUP (the group)
+    and LMREPO_JOB_NAME (the choices that differ between jobs, the run's name)."""
+
     def __init__(self, logger, run_dir: Path, config: dict, ds_config: dict):
         self.mode = resolve_mode(logger.mode)
         self.run = wandb.init(
-            project=logger.project, entity=logger.entity, group=logger.group, tags=list(logger.tags),
-            name=run_dir.name, dir=str(run_dir), mode=self.mode,
-            config={**config, "ds_config": ds_config},
+            project=logger.project, entity=logger.entity,
+            group=logger.group or os.environ.get("LMREPO_SWEEP_GROUP"),
+            name=os.environ.get("LMREPO_JOB_NAME") or run_dir.name,
+            tags=[*logger.tags, *technique_tags(config)], id=run_id(run_dir), resume="allow",
+            dir=str(run_dir), mode=self.mode, config={**config, "ds_config": ds_config},
             settings=wandb.Settings(init_timeout=60, console="off", silent=True))
 
     def log(self, record: dict) -> None:

@@ -1,0 +1,70 @@
+"""Tokenize a data option into its cached token files ahead of training (train.py does the same on first use).
+
+    python scripts/prepare_data.py                                   # data=shakespeare with GPT-2's tokenizer
+    python scripts/prepare_data.py data=text 'data.paths=[corpus/*.txt]'
+    python scripts/prepare_data.py data=json data.paths=[docs.jsonl] data.text_field=body model=bert-base
+    python scripts/prepare_data.py data=mixture 'data.sources=[{source:shakespeare,weight:0.7},{source:text,paths:[a.txt],weight:0.3}]'
+
+Arguments are train.py's Hydra overrides; the tokenizer is the one `model=` (model.tokenizer,
+model.pretrained) would train with. Prints each source's directory and what it holds, and
+whether it was reused from the cache. A bad argument or corpus: one line on stderr, exit 2.
+"""
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from lmrepo.data.prepare import load_meta, prepare_sources
+from lmrepo.errors import ConfigError
+from lmrepo.launch import register_resolvers
+from lmrepo.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # conf/train.yaml names the launcher plugin in hydra_plugins/, as train.py finds it
+
+
+def fail(message: str) -> NoReturn:
+    print(f"lmrepo: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def compose_config(overrides: list[str]):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        # run.dir interpolates ${hydra:...}, which only a running Hydra app resolves.
+        return compose(config_name="train", overrides=[*overrides, "run.dir=/nonexistent/lmrepo-prepare-data"])
+
+
+def describe(directory: Path, reused: bool, weight: float | None) -> str:
+    meta = load_meta(directory)
+    share = f", weight {weight:g}" if weight is not None else ""
+    return (f"{directory}\n  {meta['source']}{share}: {meta['documents']:,} documents, {meta['train_tokens']:,} train + "
+            f"{meta['val_tokens']:,} val tokens, {meta['dtype']}, tokenizer {meta['tokenizer']} "
+            f"({meta['vocab_size']:,} tokens), {'reused from the cache' if reused else 'built'}")
+
+
+def main(argv: list[str]) -> None:
+    try:
+        cfg = compose_config(argv)
+        try:
+            tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.pretrained)
+        except OSError as err:
+            raise ConfigError(f"model.tokenizer={cfg.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
+        started = time.time()
+        prepared = prepare_sources(cfg.data, tokenizer)
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(str(err).strip().splitlines()[0])
+    except ConfigError as err:
+        fail(str(err))
+    for directory, weight in prepared:
+        # A directory prepare() built now has a meta.json written after we started.
+        reused = (directory / "meta.json").stat().st_mtime < started
+        print(describe(directory, reused, weight if cfg.data.source == "mixture" else None))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
