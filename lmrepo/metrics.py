@@ -1,5 +1,6 @@
 """Training-performance arithmetic (seed 003, Narayanan et al. 2021) and memory readings."""
 import os
+import time
 
 import psutil
 import torch
@@ -53,3 +54,23 @@ def memory_gb(device_type: str) -> float:
     if device_type == "cuda" and torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return psutil.Process(os.getpid()).memory_info().rss / 2**30
+
+
+def measure_cpu_peak_tflops(dtype: str, seconds: float = 2.0) -> float:
+    """The CPU's matmul peak in `dtype` (fp32, bf16, fp16), measured: the best TFLOP/s of repeated
+    square 2048 x 2048 torch.matmul with torch's current thread count, over about `seconds`.
+    The best run, not the mean: MFU is measured against what the CPU can reach, and other
+    processes on the machine only ever slow a run down."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    n = 2048
+    a, b = torch.randn(n, n).to(torch_dtype), torch.randn(n, n).to(torch_dtype)
+    out = torch.empty(n, n, dtype=torch_dtype)
+    torch.matmul(a, b, out=out)  # the first call picks and packs the kernel (oneDNN / MKL)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        end = time.perf_counter()
+        best = max(best, 2 * n**3 / (end - start) / 1e12)
+        if end >= deadline:
+            return best

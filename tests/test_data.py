@@ -1,16 +1,18 @@
-"""Tokenizers, token-file preparation, the step order of blocks, and BERT masking, in process."""
+"""Tokenizers, token-file preparation, the step order of blocks, mixtures, and BERT masking, in
+process; scripts/prepare_data.py and scripts/bench_data.py --quick as subprocesses."""
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import compose_config
-from lmrepo.data.batches import SampleOrder
-from lmrepo.data.loader import MaskedInputs
-from lmrepo.data.prepare import open_tokens, prepare
+from conftest import PYTHON, REPO, compose_config
+from lmrepo.data.batches import MixtureOrder, SampleOrder, eval_indices
+from lmrepo.data.loader import Layout, LMData, MaskedInputs
+from lmrepo.data.prepare import load_meta, open_tokens, prepare, prepare_sources
 from lmrepo.errors import ConfigError
 from lmrepo.tokenizer import load_tokenizer
 
@@ -232,3 +234,235 @@ def test_masked_inputs_deterministic_per_seed(bert, bert_blocks):
     other = inputs(bert_blocks, list(range(100, 116)))
     assert torch.equal(first["input_ids"], again["input_ids"]) and torch.equal(first["labels"], again["labels"])
     assert not torch.equal(first["labels"], other["labels"])
+
+
+# --- vocabularies beyond uint16 --------------------------------------------------------------
+
+def word_level(vocab: dict[str, int]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def big_vocab():
+    """70,000 tokens: ids up to 69,999 do not fit uint16."""
+    return word_level({"[UNK]": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(69998)}})
+
+
+def stored_ids(token_dir: Path) -> list[int]:
+    return np.concatenate([open_tokens(token_dir, "train"), open_tokens(token_dir, "val")]).tolist()
+
+
+def test_large_vocabulary_is_stored_as_uint32(tmp_path, big_vocab):
+    docs = ["w0 w65534 w65535 w69997\n" * 3, "w12345 w70000 w1"]  # w70000 is not a word: [UNK]
+    token_dir = prepare(data_cfg(tmp_path, write_corpus(tmp_path / "corpus", docs), "text", "data.num_proc=1"), big_vocab)
+    assert load_meta(token_dir)["dtype"] == "uint32" and load_meta(token_dir)["vocab_size"] == 70000
+    expected = [i for doc in docs for i in [*big_vocab(doc, add_special_tokens=False)["input_ids"], 1]]
+    assert max(expected) == 69999 and stored_ids(token_dir) == expected
+
+
+def test_dtype_follows_the_largest_id_not_the_length(tmp_path):
+    sparse = word_level({"[UNK]": 0, "<eos>": 1, "big": 70000})  # 3 tokens, one id above uint16
+    assert len(sparse) == 3
+    token_dir = prepare(data_cfg(tmp_path, write_corpus(tmp_path / "corpus", ["big big big"]), "text", "data.num_proc=1"),
+                        sparse)
+    assert load_meta(token_dir)["dtype"] == "uint32" and stored_ids(token_dir) == [70000, 70000, 70000, 1]
+
+
+def test_an_id_beyond_the_dtype_is_refused_not_truncated(tmp_path, monkeypatch):
+    """A tokenizer whose vocabulary under-reports its ids: writing stops instead of wrapping around."""
+    import lmrepo.data.prepare as prepare_module
+
+    sparse = word_level({"[UNK]": 0, "<eos>": 1, "big": 70000})
+    monkeypatch.setattr(prepare_module, "id_bound", len)
+    data = data_cfg(tmp_path, write_corpus(tmp_path / "corpus", ["big"]), "text", "data.num_proc=1")
+    with pytest.raises(ConfigError, match=r"tokenizer \w+ produced token id 70000, which does not fit the uint16 token file"):
+        prepare(data, sparse)
+    assert token_dirs(tmp_path / "cache") == []
+
+
+# --- mixtures: the order -----------------------------------------------------------------------
+
+SIZES, WEIGHTS = (40, 300, 7), (0.5, 0.3, 0.2)
+OFFSETS = np.cumsum([0, *SIZES])
+
+
+def mixture(global_batch=8, micro=8, rank=0, dp=1, seed=SEED, sizes=SIZES, weights=WEIGHTS) -> MixtureOrder:
+    return MixtureOrder(sum(sizes), global_batch, micro, rank, dp, seed, sizes=sizes, weights=weights)
+
+
+def source_of(indices) -> np.ndarray:
+    return np.searchsorted(OFFSETS, indices, side="right") - 1
+
+
+def test_mixture_draws_sources_in_proportion_to_the_weights():
+    stream = mixture().stream(0, 60_000)
+    fractions = np.bincount(source_of(stream), minlength=3) / len(stream)
+    assert np.allclose(fractions, WEIGHTS, atol=0.01)
+    # also over a short window that is not aligned to anything
+    window = np.bincount(source_of(mixture().stream(12_345, 2_000)), minlength=3) / 2_000
+    assert np.allclose(window, WEIGHTS, atol=0.04)
+
+
+def test_mixture_each_source_runs_through_its_blocks_once_per_epoch():
+    stream = mixture().stream(0, 30_000)
+    for k, size in enumerate(SIZES):
+        drawn = stream[source_of(stream) == k] - OFFSETS[k]
+        epochs = [drawn[e * size:(e + 1) * size] for e in range(len(drawn) // size)]
+        assert len(epochs) >= 2 and all(sorted(e) == list(range(size)) for e in epochs)
+        assert epochs[0].tolist() != epochs[1].tolist()
+
+
+def test_mixture_order_depends_only_on_seed_and_position():
+    whole = mixture().stream(0, 40_000)  # crosses two mixture periods
+    pieces = [mixture().stream(a, b - a) for a, b in [(0, 5), (5, 16_380), (16_380, 16_390), (16_390, 40_000)]]
+    assert np.array_equal(np.concatenate(pieces), whole)
+    assert not np.array_equal(mixture(seed=SEED + 1).stream(0, 1_000), whole[:1_000])
+
+
+def mixture_step(step: int, micro: int, dp: int, global_batch: int = 12) -> list[int]:
+    return [int(i) for rank in range(dp)
+            for batch in mixture(global_batch, micro, rank, dp).micro_batches(step * global_batch) for i in batch]
+
+
+@pytest.mark.parametrize("dp, micro", [(2, 2), (3, 2), (3, 4)])
+def test_mixture_ranks_split_each_step_without_overlap(dp, micro):
+    for step in (0, 7, 40):
+        ranks = [{int(i) for b in mixture(12, micro, r, dp).micro_batches(step * 12) for i in b} for r in range(dp)]
+        assert sum(len(r) for r in ranks) == 12 and set().union(*ranks) == set(mixture_step(step, 12, 1))
+
+
+def test_mixture_resume_after_a_batch_size_change_neither_replays_nor_skips():
+    first = [i for step in range(5) for i in mixture_step(step, 2, 2)]
+    after = [int(i) for r in range(2) for b in mixture(8, 4, r, 2).micro_batches(60) for i in b]
+    assert sorted(first + after) == sorted(mixture().stream(0, 68).tolist())
+
+
+def test_mixture_eval_takes_each_source_in_proportion():
+    batches = [eval_indices([30, 30, 3], WEIGHTS, 4, rank, 2, 5) for rank in range(2)]
+    chosen = np.concatenate([b for rank in batches for b in rank])
+    assert len(chosen) == 40 and all(len(b) == 4 for rank in batches for b in rank)
+    # the first blocks of each source's held-out split, 20/12/8 of 40; a source with fewer
+    # held-out blocks than its share repeats them
+    assert chosen.tolist() == [*range(20), *range(30, 42), 60, 61, 62, 60, 61, 62, 60, 61]
+    # one source: rank 1's share of the first 3 x 4 x 2 held-out blocks, as before mixtures
+    assert [b.tolist() for b in eval_indices([50], [1.0], 4, 1, 2, 3)] == [[12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23]]
+
+
+# --- mixtures: configuration, preparation, batches ---------------------------------------------
+
+def source_docs(word: str, count: int) -> list[str]:
+    return [" ".join(f"{word}{j % 10}" for j in range(i, i + 300)) + "\n" for i in range(count)]
+
+
+@pytest.fixture
+def two_corpora(tmp_path):
+    return write_corpus(tmp_path / "alpha", source_docs("alpha", 4)), write_corpus(tmp_path / "beta", source_docs("beta", 4))
+
+
+def mixture_cfg(tmp_path, sources: str, *extra: str):
+    return compose_config(["data=mixture", f"data.sources={sources}", f"data.cache_dir={tmp_path / 'cache'}",
+                           "data.block_size=16", "data.val_fraction=0.1", "data.num_proc=1", *extra]).data
+
+
+def listing(paths) -> str:
+    return "[" + ",".join(str(p) for p in paths) + "]"
+
+
+def test_mixture_prepares_each_source_as_its_own_option(tmp_path, gpt2, two_corpora):
+    alpha, beta = two_corpora
+    data = mixture_cfg(tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:3}},"
+                                 f"{{source:text,paths:{listing(beta)},weight:1}}]")
+    (alpha_dir, alpha_weight), (beta_dir, beta_weight) = prepare_sources(data, gpt2)
+    assert (alpha_weight, beta_weight) == (3.0, 1.0)
+    assert decoded(gpt2, alpha_dir).startswith("alpha0 alpha1") and "beta" not in decoded(gpt2, alpha_dir)
+    # the same cache as data=text on those files, with the mixture's shared keys
+    assert prepare(data_cfg(tmp_path, alpha, "text", "data.val_fraction=0.1"), gpt2) == alpha_dir
+
+    layout = Layout(global_batch=8, micro_batch=4, dp_rank=0, dp_size=1)
+    lm = LMData([(alpha_dir, 3.0), (beta_dir, 1.0)], 16, "gpt2", gpt2, layout, SEED, eval_batches=4)
+    texts = [gpt2.decode(row) for step in range(100) for batch in lm.train_step(step * 8) for row in batch["input_ids"]]
+    from_alpha = sum("alpha" in t for t in texts) / len(texts)
+    assert all(("alpha" in t) != ("beta" in t) for t in texts) and abs(from_alpha - 0.75) < 0.05
+    evals = [gpt2.decode(row) for batch in lm.eval_batches() for row in batch["input_ids"]]
+    assert len(evals) == 16 and sum("alpha" in t for t in evals) == 12
+
+
+def test_a_one_source_mixture_is_that_source(tmp_path, gpt2, two_corpora):
+    alpha, _ = two_corpora
+    [(token_dir, _)] = prepare_sources(mixture_cfg(tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:2}}]"), gpt2)
+    layout = Layout(global_batch=4, micro_batch=4, dp_rank=0, dp_size=1)
+    plain, mixed = (LMData(sources, 16, "gpt2", gpt2, layout, SEED, 2) for sources in (token_dir, [(token_dir, 2.0)]))
+    assert torch.equal(plain.train_step(8)[0]["input_ids"], mixed.train_step(8)[0]["input_ids"])
+
+
+@pytest.mark.parametrize("sources, message", [
+    ("[]", r"data.sources must list at least one source"),
+    ("[{source:shakespeare,weight:0}]", r"data.sources\[0\].weight=0 must be a number > 0"),
+    ("[{source:shakespeare,weight:1},{source:shakespeare,weight:-2}]", r"data.sources\[1\].weight=-2 must be a number > 0"),
+    ("[{source:shakespeare,weight:abc}]", r"data.sources\[0\].weight=abc must be a number > 0"),
+    ("[{source:shakespeare}]", r"data.sources\[0\].weight=None must be a number > 0"),
+    ("[{source:shakespeare,weight:1},{source:wiki,weight:1}]", r"data.sources\[1\].source=wiki must be one of shakespeare, text, json, hf"),
+    ("[{source:text,weight:1}]", r"data.sources\[0\].paths must be set for a text source"),
+    ("[{source:hf,weight:1}]", r"data.sources\[0\].name must be set for a hf source"),
+    ("[{source:shakespeare,weight:1,block_size:64}]", r"data.sources\[0\].block_size: block_size is shared .* set data.block_size"),
+    ("[{source:text,paths:[a.txt],text_field:body,weight:1}]", r"data.sources\[0\].text_field is not a key of a text source"),
+    ("[shakespeare]", r"data.sources\[0\]=shakespeare must be a mapping"),
+    ("[{source:shakespeare,weight:1},{source:shakespeare,weight:1e-5}]", r"data.sources\[1\].weight=1e-05 is below 1/16384"),
+    ("[{source:shakespeare,weight:1},{source:text,paths:[/nonexistent/*.txt],weight:1}]",
+     r"data.sources\[1\] \(text\): data.paths: /nonexistent/\*.txt matches no file"),
+])
+def test_mixture_config_errors_name_the_key(tmp_path, gpt2, sources, message):
+    with pytest.raises(ConfigError, match=message):
+        prepare_sources(mixture_cfg(tmp_path, sources), gpt2)
+    assert token_dirs(tmp_path / "cache") == []
+
+
+def test_mixture_with_a_source_too_small_for_a_block(tmp_path, gpt2, two_corpora):
+    alpha, _ = two_corpora
+    tiny = write_corpus(tmp_path / "tiny", ["just a few words"])
+    data = mixture_cfg(tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:1}},{{source:text,paths:{listing(tiny)},weight:1}}]")
+    with pytest.raises(ConfigError, match=r"data.sources\[1\] \(text-\w+\) has 0 training and 0 held-out blocks"):
+        LMData(prepare_sources(data, gpt2), 16, "gpt2", gpt2, Layout(4, 4, 0, 1), SEED, 2)
+
+
+# --- scripts -----------------------------------------------------------------------------------
+
+def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, str(REPO / "scripts" / name), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def test_prepare_data_script(tmp_path, two_corpora):
+    alpha, beta = two_corpora
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    first = run_script("prepare_data.py", "data=text", f"data.paths={listing(alpha)}", cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    [alpha_dir] = token_dirs(tmp_path / "cache")
+    assert first.stdout.splitlines()[0] == str(alpha_dir)
+    assert "text: 4 documents" in first.stdout and "uint16" in first.stdout and first.stdout.rstrip().endswith("built")
+
+    # a mixture that shares the first source: that one is reused, the other built
+    mixed = run_script("prepare_data.py", "data=mixture", cache,
+                       f"data.sources=[{{source:text,paths:{listing(alpha)},weight:0.7}},"
+                       f"{{source:text,paths:{listing(beta)},weight:0.3}}]")
+    assert mixed.returncode == 0, mixed.stderr[-2000:]
+    lines = mixed.stdout.splitlines()
+    assert lines[0] == str(alpha_dir) and "weight 0.7" in lines[1] and lines[1].endswith("reused from the cache")
+    assert "weight 0.3" in lines[3] and lines[3].endswith("built") and len(token_dirs(tmp_path / "cache")) == 2
+
+    bad = run_script("prepare_data.py", "data=text", f"data.paths=[{tmp_path}/missing-*.txt]", cache)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.splitlines() == [f"lmrepo: error: data.paths: {tmp_path}/missing-*.txt matches no file"]
+
+
+def test_bench_data_quick():
+    proc = run_script("bench_data.py", "--quick", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("ratio prepare / seeds:", "ratio train_step supply / seeds:", "padding waste: seeds",
+                 "fraction of a step waiting for data:", "ratio x10 / x1 peak memory:"):
+        assert line in proc.stdout

@@ -58,7 +58,7 @@ def test_sweep_jobs_are_w_and_b_runs_named_and_grouped(sweep):
 def test_torchrun_launch(tmp_path):
     run_dir = tmp_path / "run"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "0", str(REPO / "train.py"),
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(REPO / "train.py"),
                            *TINY, "zero=stage2", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert_ok(proc)

@@ -115,15 +115,15 @@ class MixtureOrder(SampleOrder):
     def _counts(self) -> np.ndarray:
         return quotas(self.weights, MIXTURE_PERIOD)
 
-    def _pattern(self, period: int) -> np.ndarray:
-        """The source of each position of one period: a seeded shuffle of the weighted counts."""
+    def _pattern(self, index: int) -> np.ndarray:
+        """The source of each position of the index-th period: a seeded shuffle of the weighted counts."""
         counts = self._counts
-        return np.random.default_rng([self.seed, 0, period]).permutation(np.repeat(np.arange(len(counts)), counts))
+        return np.random.default_rng([self.seed, 0, index]).permutation(np.repeat(np.arange(len(counts)), counts))
 
     def _drawn_before(self, source: int, position: int) -> int:
         """How many of the first `position` samples came from `source`."""
-        period, within = divmod(position, MIXTURE_PERIOD)
-        return period * int(self._counts[source]) + int(np.count_nonzero(self._pattern(period)[:within] == source))
+        index, within = divmod(position, MIXTURE_PERIOD)
+        return index * int(self._counts[source]) + int(np.count_nonzero(self._pattern(index)[:within] == source))
 
     def _source_permutation(self, source: int, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 1 + source, epoch]).permutation(self.sizes[source])

@@ -11,10 +11,10 @@ training draws from them by weight (batches.MixtureOrder).
 """
 import hashlib
 import json
-import shutil
-from pathlib import Path
-
 import math
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
@@ -96,8 +96,9 @@ def build(data, tokenizer, out: Path) -> None:
         ids = [doc + [sep] for doc in tokenizer(batch["text"], add_special_tokens=False)["input_ids"] if doc]
         return {"ids": ids, "n": [len(doc) for doc in ids]}
 
-    # Batched map over documents; each worker process runs the fast (Rust) tokenizer.
-    tokens = docs.map(encode, batched=True, batch_size=64, remove_columns=docs.column_names,
+    # Batched map over documents; each worker process runs the fast (Rust) tokenizer. A batch's
+    # token lists are what a worker holds at once: a few documents keep memory flat in corpus size.
+    tokens = docs.map(encode, batched=True, batch_size=16, remove_columns=docs.column_names,
                       num_proc=min(data.num_proc, len(docs)) if len(docs) > 1 else None, desc="tokenizing")
     total = int(np.sum(tokens["n"], dtype=np.int64)) if len(tokens) else 0
     if total == 0:
@@ -164,11 +165,9 @@ SHARED_KEYS = ("block_size", "val_fraction", "num_proc", "cache_dir")
 EXAMPLE = "data.sources=[{source:shakespeare,weight:0.7},{source:text,paths:[a.txt],weight:0.3}]"
 
 
-def sources(data) -> list[tuple[DictConfig, float]]:
-    """(data config, weight) of every source: the option itself with weight 1, or each entry of
-    a mixture's data.sources as a data config of its own. Raises ConfigError naming the entry."""
-    if data.source != "mixture":
-        return [(data, 1.0)]
+def mixture_sources(data) -> list[tuple[DictConfig, float]]:
+    """(data config, weight) of each entry of a mixture's data.sources, the entry made a data
+    option of its own. Raises ConfigError naming the entry's key."""
     entries = data.get("sources")
     if not isinstance(entries, ListConfig) or len(entries) == 0:
         raise ConfigError(f"data.sources must list at least one source with a weight, e.g. {EXAMPLE}")
@@ -206,10 +205,20 @@ def prepare_sources(data, tokenizer) -> list[tuple[Path, float]]:
     """prepare() for every source: [(token directory, weight), ...] (one entry unless a mixture)."""
     if data.source != "mixture":
         return [(prepare(data, tokenizer), 1.0)]
+    entries = mixture_sources(data)
+    for k, (source, _) in enumerate(entries):
+        with named_source(k, source):
+            source_files(source)  # a mistyped path stops the job before any source is tokenized
     prepared = []
-    for k, (source, weight) in enumerate(sources(data)):
-        try:
+    for k, (source, weight) in enumerate(entries):
+        with named_source(k, source):
             prepared.append((prepare(source, tokenizer), weight))
-        except ConfigError as err:
-            raise ConfigError(f"data.sources[{k}] ({source.source}): {err}") from None
     return prepared
+
+
+@contextmanager
+def named_source(k: int, source):
+    try:
+        yield
+    except ConfigError as err:
+        raise ConfigError(f"data.sources[{k}] ({source.source}): {err}") from None

@@ -1,0 +1,333 @@
+"""What scripts/bench.py measures, one function per worker process. Every worker gets the same
+spec (model, the DeepSpeed config train.py wrote, the prepared token files, seed, steps) and returns
+JSON-able results; scripts/bench.py launches them, interleaves them and prints the table.
+
+- `bare_loop`: the seeds' loop (`engine(batch).loss; engine.backward(loss); engine.step()`) over
+  the batches train.py reads, materialized before the clock starts; with arms "eager" and
+  "compiled" the two engines step alternately in one process (`engine.compile()`, inductor).
+- `hf_trainer`: Hugging Face Trainer on the same model, batches and DeepSpeed config.
+- `model_state_memory`: on each of 2 ranks, the bytes of the tensors each ZeRO stage keeps for
+  parameters, gradients and optimizer states, counted from the engine's own tensors.
+"""
+import gc
+import os
+import platform
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from lmrepo.data.loader import Layout, LMData
+
+
+# ---- the machine ----
+
+def machine() -> dict:
+    """What the table was measured on."""
+    import accelerate
+    import deepspeed
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        cpu = " ".join(x for x in (fields.get("Model name"), f"(family {fields.get('CPU family')}, "
+                                   f"model {fields.get('Model')})" if "CPU family" in fields else None) if x)
+        flags = fields.get("Flags", "").split()
+        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        isa = []
+    return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+# ---- the same batches for every arm ----
+
+def step_batches(spec: dict) -> list[list[dict]]:
+    """The micro batches of each optimizer step exactly as train.py's loop reads them (one rank)."""
+    ds = spec["ds_config"]
+    layout = Layout(global_batch=ds["train_batch_size"], micro_batch=ds["train_micro_batch_size_per_gpu"],
+                    dp_rank=0, dp_size=1)
+    data = LMData(spec["sources"], spec["block_size"], "gpt2", None, layout, spec["seed"], eval_batches=1)
+    return [data.train_step(step * layout.global_batch) for step in range(spec["steps"])]
+
+
+def build(spec: dict, loss_type: str | None = None):
+    """The model train.py builds (same preset, same seed, same weight-decay groups) in a DeepSpeed engine."""
+    import deepspeed
+    from omegaconf import OmegaConf
+    from transformers import set_seed
+
+    from lmrepo.engine import param_groups
+    from lmrepo.models import build_model
+
+    set_seed(spec["seed"])
+    model = build_model(OmegaConf.create(spec["model"]))
+    if loss_type:
+        # transformers logs a warning from inside forward when the loss type is unset: a graph break.
+        model.loss_type = loss_type
+    weight_decay = spec["ds_config"]["optimizer"]["params"].get("weight_decay", 0.0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
+                                      config=spec["ds_config"])
+    return engine
+
+
+# ---- workers ----
+
+class BareArms:
+    """Engines driven by the seeds' loop over the same batches, one optimizer step at a time:
+    arm "eager", and "compiled" (`engine.compile()`, inductor). Each `step()` steps every arm
+    once (the order alternates, so neither always runs first) and records its wall time and loss."""
+
+    def __init__(self, spec: dict, arms: list[str]):
+        self.batches = step_batches(spec)
+        loss_type = "ForCausalLM" if "compiled" in arms else None  # the same model code in every arm
+        self.engines = {}
+        for arm in arms:
+            self.engines[arm] = build(spec, loss_type)
+            if arm == "compiled":
+                self.engines[arm].compile()
+        self.times = {arm: [] for arm in arms}
+        self.losses = {arm: [] for arm in arms}
+        self.done = 0
+
+    def step(self) -> float:
+        """Steps every arm once; returns the seconds it took (to subtract where it ran inside another clock)."""
+        begin = time.perf_counter()
+        arms = list(self.engines) if self.done % 2 == 0 else list(self.engines)[::-1]
+        for arm in arms:
+            engine, micro_losses = self.engines[arm], []
+            start = time.perf_counter()
+            for batch in self.batches[self.done]:
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                engine.step()
+                micro_losses.append(loss.detach())
+            self.times[arm].append(time.perf_counter() - start)
+            self.losses[arm].append(torch.stack(micro_losses).float().mean().item())  # as train.py logs it
+        self.done += 1
+        return time.perf_counter() - begin
+
+    def result(self) -> dict:
+        return {"times": self.times, "losses": self.losses}
+
+
+def bare_loop(spec: dict) -> dict:
+    """The seeds' loop alone: step times (s) and losses per arm."""
+    from lmrepo.launch import ensure_single_process_env
+
+    ensure_single_process_env()
+    arms = BareArms(spec, spec["arms"])
+    for _ in range(spec["steps"]):
+        arms.step()
+    return {"bare": arms.result()}
+
+
+def fit_and_bare(spec: dict) -> dict:
+    """train.py's loop (lmrepo.loop.fit with lmrepo's engine, data, throughput and sinks, as
+    lmrepo.run.train wires them) with the bare arms stepped right after each of its steps, inside
+    the metrics sink: each pair of steps sees the same machine load. fit's step time is the wall
+    time between its consecutive metrics lines (everything the loop does) less the bare step
+    that ran in between."""
+    from omegaconf import OmegaConf
+
+    from lmrepo.config import detect_device
+    from lmrepo.engine import build_engine, init_distributed
+    from lmrepo.loggers import build_sinks
+    from lmrepo.loop import TrainState, fit
+    from lmrepo.run import throughput_of
+    from transformers import set_seed
+
+    cfg = OmegaConf.create(spec["cfg"])
+    ds = spec["ds_config"]
+    device = detect_device(cfg.trainer.device)
+    init_distributed()
+    set_seed(cfg.trainer.seed)
+    engine = build_engine(cfg.model, cfg.checkpointing, ds)
+    arms = BareArms(spec, spec["arms"])
+    layout = Layout(global_batch=ds["train_batch_size"], micro_batch=ds["train_micro_batch_size_per_gpu"],
+                    dp_rank=0, dp_size=1)
+    data = LMData(spec["sources"], cfg.data.block_size, cfg.model.family, None, layout, cfg.trainer.seed,
+                  cfg.trainer.eval_batches)
+    run_dir = Path(spec["out_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records, bare_seconds = [], []
+
+    class WithBareStep:
+        def __init__(self, sinks):
+            self.sinks = sinks
+
+        def log(self, record: dict) -> None:
+            self.sinks.log(record)
+            if "loss" in record:
+                records.append(record)
+                bare_seconds.append(arms.step())
+
+        def finish(self) -> None:
+            self.sinks.finish()
+
+    sinks = WithBareStep(build_sinks(cfg.logger, run_dir, spec["cfg"], ds))
+    fit(engine, data, cfg.trainer, throughput_of(cfg, ds, device), sinks, TrainState(), lambda state: None, None, True)
+    sinks.finish()
+    elapsed = [0.0] + [r["elapsed_s"] for r in records]
+    times = [b - a - (bare_seconds[k - 1] if k else 0.0) for k, (a, b) in enumerate(zip(elapsed, elapsed[1:]))]
+    return {"fit": {"times": times, "losses": [r["loss"] for r in records]}, "bare": arms.result()}
+
+
+def hf_trainer(spec: dict) -> dict:
+    """Hugging Face Trainer with the DeepSpeed config train.py wrote, on the same samples in the
+    same order, with the bare arms stepped after each of its steps (a callback). Its step time is
+    the wall time between consecutive step ends less the bare step in between."""
+    from lmrepo.launch import ensure_single_process_env
+
+    ensure_single_process_env()
+    from omegaconf import OmegaConf
+    from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+
+    from lmrepo.models import build_model
+
+    ds = spec["ds_config"]
+    samples = [{"input_ids": row, "labels": row}
+               for micro_batches in step_batches(spec) for batch in micro_batches for row in batch["input_ids"]]
+
+    class InOrder(torch.utils.data.IterableDataset):  # iterable: the Trainer does not shuffle it
+        def __iter__(self):
+            return iter(samples)
+
+    # The Trainer refuses a DeepSpeed config whose values differ from its arguments: give it ours.
+    adam = ds["optimizer"]["params"]
+    cpu = not torch.cuda.is_available()
+    args = TrainingArguments(
+        output_dir=spec["out_dir"], deepspeed=ds, max_steps=spec["steps"],
+        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"], learning_rate=adam["lr"],
+        adam_beta1=adam["betas"][0], adam_beta2=adam["betas"][1], adam_epsilon=adam["eps"],
+        weight_decay=adam.get("weight_decay", 0.0), max_grad_norm=ds.get("gradient_clipping", 0.0),
+        warmup_steps=ds["scheduler"]["params"].get("warmup_num_steps", 0),
+        bf16=ds.get("bf16", {}).get("enabled", False), use_cpu=cpu,  # bf16 off the GPU needs use_cpu
+        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, seed=spec["seed"])
+    set_seed(spec["seed"])
+    model = build_model(OmegaConf.create(spec["model"]))
+    arms = BareArms(spec, spec["arms"])
+    times = []
+
+    class BareStepAfterEach(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.start)
+            arms.step()
+            self.start = time.perf_counter()  # the next step's clock starts after the bare step
+
+    trainer = Trainer(model=model, args=args, train_dataset=InOrder(), callbacks=[BareStepAfterEach()])
+    output = trainer.train()
+    return {"hf": {"times": times, "mean_loss": output.training_loss,
+                   "engine": type(trainer.model_wrapped).__name__, "use_cpu": cpu},
+            "bare": arms.result()}
+
+
+# ---- model-state memory: an accounting of the tensors each rank holds ----
+
+def _reachable(obj, path: str, found: list, seen: set, depth: int = 0) -> None:
+    """(path, tensor) for every tensor reachable from `obj` through containers and the attributes
+    of DeepSpeed and torch.optim objects (not nn.Modules: the engine's module is walked apart)."""
+    if depth > 8 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found.append((path, obj))
+        if getattr(obj, "ds_tensor", None) is not None:  # ZeRO-3: this rank's partition of a parameter
+            found.append((f"{path}.ds_tensor", obj.ds_tensor))
+        if obj.is_leaf and obj.grad is not None:
+            found.append((f"{path}.grad", obj.grad))
+        return
+    if isinstance(obj, dict):
+        for i, (key, value) in enumerate(list(obj.items())):
+            if isinstance(key, torch.Tensor):  # torch optimizer state is keyed by the stepped parameter
+                _reachable(key, f"{path}<param {i}>", found, seen, depth + 1)
+            _reachable(value, f"{path}[{key if isinstance(key, (str, int)) else i}]", found, seen, depth + 1)
+    elif isinstance(obj, (list, tuple, set)):
+        for i, value in enumerate(obj):
+            _reachable(value, f"{path}[{i}]", found, seen, depth + 1)
+    elif (hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module)
+          and type(obj).__module__.startswith(("deepspeed", "torch.optim"))):
+        for name, value in vars(obj).items():
+            _reachable(value, f"{path}.{name}", found, seen, depth + 1)
+
+
+def held_bytes(engine) -> dict:
+    """Bytes of the storages this rank holds, by what they are: `params` (the module's parameters;
+    at ZeRO-3 their partitions and the small ones kept whole), `grads` (parameter gradients and
+    the optimizer's gradient buffers), `optimizer` (what the inner optimizer steps and keeps:
+    fp32 master copy and Adam moments), `buffers` (anything else the ZeRO optimizer holds, e.g.
+    communication buckets: not model states). A storage counts once, whole (a view keeps it
+    alive), under the first of those kinds that reaches it."""
+    params, opt = [], []
+    for name, p in engine.module.named_parameters():
+        _reachable(p, f"module.{name}", params, set())
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    stepped, everything = [], []
+    _reachable({"state": inner.state, "param_groups": inner.param_groups}, "inner", stepped, set())
+    _reachable(engine.optimizer, "optimizer", everything, set())
+
+    def kind_of(path: str, default: str) -> str:
+        # attribute names that hold gradients: p.grad, averaged_gradients, grads_in_partition,
+        # grad_partitions_flat_buffer, ..._param_id_to_grad_partition (not the grad-norm scalars)
+        if any("grad" in part and "norm" not in part for part in re.split(r"[.\[<]", path)):
+            return "grads"
+        return default
+
+    totals, owner = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}, {}
+    ranked = ([(kind_of(p, "params"), t) for p, t in params]
+              + [("optimizer", t) for _, t in stepped]
+              + [(kind_of(p, "buffers"), t) for p, t in everything])
+    order = ["params", "optimizer", "grads", "buffers"]
+    for kind, tensor in sorted(ranked, key=lambda kt: order.index(kt[0])):
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in owner:
+            owner[storage.data_ptr()] = kind
+            totals[kind] += storage.nbytes()
+    return totals
+
+
+def model_state_memory(spec: dict) -> list[dict]:
+    """For each model and ZeRO stage: build, train one step (Adam states exist after it), run the
+    next forward and backward and count what this rank holds before that step's optimizer update
+    (the moment gradients and optimizer states coexist)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rows = []
+    for model_spec in spec["models"]:
+        for stage, ds in model_spec["ds_configs"].items():
+            run = {**spec, "model": model_spec["model"], "ds_config": ds}
+            engine = build(run)
+            micro, block = ds["train_micro_batch_size_per_gpu"], spec["block_size"]
+            ids = torch.randint(0, model_spec["model"]["vocab_size"], (micro, block),
+                                generator=torch.Generator().manual_seed(spec["seed"] + dist.get_rank()))
+            for step in range(2):
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                if step == 1:
+                    held = held_bytes(engine)
+                engine.step()
+            params = model_spec["params"]
+            rows.append({"model": model_spec["label"], "stage": int(stage), "rank": dist.get_rank(),
+                         "world": dist.get_world_size(), "n_params": params, **held})
+            engine.destroy()
+            del engine
+            gc.collect()
+    return rows

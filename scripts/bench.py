@@ -1,0 +1,464 @@
+"""Benchmarks of lmrepo on this machine, measured side by side in one run and printed as a
+markdown table of ratios (issue 7). Nothing here asserts a time: the ratios are printed next to
+the issue's targets.
+
+    python scripts/bench.py                   # the default job: gpt2-tiny, bf16, ZeRO-0, 1 rank (~10 min on 2 cores)
+    python scripts/bench.py --quick           # smoke run of every measurement: tiny model, a few steps, ~1 min
+    python scripts/bench.py model.n_layer=8   # train.py's overrides choose the job (GPT-2 models)
+
+1. train.py against the seeds' bare DeepSpeed loop: the same model, seed, batches (the blocks
+   train.py reads, materialized before the bare loop's clock starts), the ds_config.json train.py
+   wrote and the same number of steps, 1 rank. train.py's step time is the wall time between its
+   consecutive metrics lines (`elapsed_s`, logged every step): everything the loop does, logging
+   included. Runs alternate (train.py, bare, HF, HF, bare, train.py) so drifting load hits all arms.
+2. train.py against Hugging Face Trainer with the same DeepSpeed config, model, samples and batch.
+3. Model-state memory per rank for ZeRO stages 0-3 on 2 ranks (`deepspeed --num_gpus 2`): the
+   bytes of the tensors each rank holds for parameters, gradients and optimizer states, against
+   lmrepo.estimate's theoretical division.
+4. torch.compile through DeepSpeed's `engine.compile()` against eager, alternating steps in one process.
+Also the CPU's measured matmul peak (bf16, fp32), and the default run's TFLOP/s and MFU against it.
+
+Medians of the steps after the first --warmup of each run. Results also go to <out>/results.md
+and results.json. Exit 0 when every measurement ran, 1 when one failed (its reason is printed).
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+sys.path.insert(0, str(REPO))  # conf/train.yaml names the launcher plugin in hydra_plugins/, as train.py finds it
+DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+
+# Every train.py run of the bench: metrics every step, no evaluation until the end, no checkpoints.
+BENCH_KEYS = ["logger=jsonl", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
+              "trainer.save_every=0"]
+QUICK_JOB = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
+             "trainer.micro_batch_size=4"]
+# A second model for the memory table: no one tensor near a partition's size (see the table's note).
+EVEN_MODEL = {"n_layer": 8, "vocab_size": 8192}
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (30; quick 6)")
+    parser.add_argument("--warmup", type=int, help="first steps of each run left out of the medians (5; quick 2)")
+    parser.add_argument("--rounds", type=int, help="runs of each arm, interleaved (2; quick 1)")
+    parser.add_argument("--peak-seconds", type=float, help="seconds per matmul-peak measurement (2; quick 0.3)")
+    parser.add_argument("--out", help="directory for runs, logs and results (a new temporary one)")
+    for hidden in ("--worker", "--spec", "--result", "--local_rank"):  # worker processes (and the launcher's flag)
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    return parser.parse_known_args()
+
+
+# ---- worker side: one measurement in this process ----
+
+def run_worker(args: argparse.Namespace) -> None:
+    from lmrepo import bench
+
+    spec = json.loads(Path(args.spec).read_text())
+    workers = {"bare": bench.bare_loop, "fit": bench.fit_and_bare, "hf": bench.hf_trainer, "memory": bench.model_state_memory}
+    result = workers[args.worker](spec)
+    suffix = f".rank{os.environ['RANK']}" if args.worker == "memory" else ""
+    Path(args.result + suffix).write_text(json.dumps(result))
+
+
+# ---- orchestrator side ----
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict:
+    """Every arm's process alike: no inherited rank variables (each single-rank process sets its own),
+    the same thread count (accelerate would otherwise set OMP_NUM_THREADS in the HF arm only)."""
+    import torch
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    env.update(TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    return env
+
+
+def run_logged(cmd: list[str], log: Path, cwd: Path, timeout: int = 1800) -> str | None:
+    """Runs cmd with its output in `log`. None when it succeeded, else the reason in one line."""
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=child_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout} s (log: {log})"
+    if proc.returncode == 0:
+        return None
+    lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "error:" in l]
+    return f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1][:300]} (log: {log})"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, overrides: list[str]):
+        self.quick = args.quick
+        self.steps = args.steps or (6 if self.quick else 30)
+        self.warmup = args.warmup if args.warmup is not None else (2 if self.quick else 5)
+        self.rounds = args.rounds or (1 if self.quick else 2)
+        self.peak_seconds = args.peak_seconds or (0.3 if self.quick else 2.0)
+        self.out = Path(args.out or tempfile.mkdtemp(prefix="lmrepo-bench-")).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.job = [*(QUICK_JOB if self.quick else []), *overrides, *BENCH_KEYS, f"trainer.max_steps={self.steps}"]
+        self.failures: list[str] = []
+
+    def compose(self, extra: list[str] = ()):
+        from hydra import compose, initialize_config_dir
+
+        from lmrepo.launch import register_resolvers
+
+        register_resolvers()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[*self.job, *extra, f"run.dir={self.out}/unused"])
+        if cfg.trainer.warmup_steps >= self.steps:  # train.py requires warmup < max_steps; lr does not change speed
+            self.job.append(f"trainer.warmup_steps={self.steps // 2}")
+            return self.compose(extra)
+        return cfg
+
+    def spec(self, name: str, **fields) -> Path:
+        path = self.out / f"{name}.spec.json"
+        path.write_text(json.dumps({"model": self.model, "sources": [[str(d), w] for d, w in self.sources],
+                                    "block_size": self.cfg.data.block_size, "seed": self.cfg.trainer.seed,
+                                    "steps": self.steps, "out_dir": str(self.out / name), **fields}))
+        return path
+
+    def worker(self, kind: str, name: str, spec: Path, ranks: int = 0) -> tuple[object, str | None]:
+        result = self.out / f"{name}.result.json"
+        launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [PYTHON]
+        error = run_logged([*launcher, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
+                            "--result", str(result)], self.out / f"{name}.log", self.out)
+        if error:
+            return None, error
+        if ranks:
+            return [json.loads((self.out / f"{result.name}.rank{r}").read_text()) for r in range(ranks)], None
+        return json.loads(result.read_text()), None
+
+    def train_run(self, name: str) -> tuple[dict | None, str | None]:
+        run_dir = self.out / name
+        error = run_logged([PYTHON, str(REPO / "train.py"), *self.job, f"hydra.run.dir={run_dir}"],
+                           self.out / f"{name}.log", self.out)
+        if error:
+            return None, error
+        lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = sorted((l for l in lines if "loss" in l), key=lambda l: l["step"])
+        elapsed = [0.0] + [l["elapsed_s"] for l in steps]
+        tokens_per_step = json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] * self.cfg.data.block_size
+        return {"times": [b - a for a, b in zip(elapsed, elapsed[1:])], "losses": [l["loss"] for l in steps],
+                "window_times": [tokens_per_step / l["tokens_per_s"] for l in steps],
+                "ds_config": json.loads((run_dir / "ds_config.json").read_text())}, None
+
+    # ---- the measurements ----
+
+    def run(self) -> dict:
+        from omegaconf import OmegaConf
+
+        from lmrepo import bench
+        from lmrepo.config import detect_device
+        from lmrepo.data.prepare import prepare_sources
+        from lmrepo.metrics import measure_cpu_peak_tflops
+        from lmrepo.tokenizer import load_tokenizer
+
+        self.cfg = self.compose()
+        if self.cfg.model.family != "gpt2" or self.cfg.pipeline.schedule != "none":
+            raise SystemExit("lmrepo: error: scripts/bench.py measures GPT-2 models without a pipeline: "
+                             "choose model=gpt2* and pipeline=none")
+        self.model = OmegaConf.to_container(self.cfg.model, resolve=True)
+        self.device = detect_device(self.cfg.trainer.device)
+        self.sources = prepare_sources(self.cfg.data, load_tokenizer(self.cfg.model.tokenizer, self.cfg.model.pretrained))
+        results = {"machine": bench.machine(), "job": self.job, "steps": self.steps, "warmup": self.warmup,
+                   "rounds": self.rounds, "quick": self.quick, "out": str(self.out)}
+        log = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)
+
+        log(f"CPU matmul peak ({self.peak_seconds} s per dtype)")
+        results["peak"] = {d: measure_cpu_peak_tflops(d, self.peak_seconds) for d in ("bf16", "fp32")}
+
+        # 1, 2, 4: the runs, interleaved A B C D D C B A ... so drifting load reaches every arm
+        arms = {"train": [], "bare": [], "fit": [], "hf": []}
+        errors = {}
+        kinds = ("train", "fit", "hf") if self.quick else ("train", "bare", "fit", "hf")
+        order = [arm for r in range(self.rounds) for arm in (kinds if r % 2 == 0 else kinds[::-1])]
+        ds_config = None
+        for i, arm in enumerate(order):
+            name = f"{arm}{len(arms[arm])}"
+            log(f"run {i + 1}/{len(order)}: {name}")
+            if arm == "train":
+                result, error = self.train_run(name)
+                if result and ds_config is None:
+                    ds_config = result["ds_config"]
+            elif ds_config is None:
+                result, error = None, "no ds_config.json: the train.py run before it failed"
+            elif arm == "bare":
+                result, error = self.worker("bare", name, self.spec(name, ds_config=ds_config, arms=["eager"]))
+                if result:
+                    bare = result["bare"]
+                    result = {"times": bare["times"]["eager"], "losses": bare["losses"]["eager"]}
+            elif arm == "fit":  # the compiled arm rides along with the bare one
+                result, error = self.worker("fit", name, self.spec(name, ds_config=ds_config, arms=["eager", "compiled"],
+                                                                  cfg=OmegaConf.to_container(self.cfg, resolve=True)))
+                if result:
+                    bare = result["bare"]
+                    result = {**result["fit"], "bare_times": bare["times"]["eager"], "bare_losses": bare["losses"]["eager"],
+                              "compiled_times": bare["times"]["compiled"], "compiled_losses": bare["losses"]["compiled"]}
+            else:
+                result, error = self.worker("hf", name, self.spec(name, ds_config=ds_config, arms=["eager"]))
+                if result:
+                    result = {**result["hf"], "bare_times": result["bare"]["times"]["eager"]}
+            if error:
+                errors.setdefault(arm, error)
+            else:
+                arms[arm].append(result)
+        results["arms"], results["arm_errors"], results["ds_config"] = arms, errors, ds_config
+        self.failures += [f"{arm}: {e}" for arm, e in errors.items()]
+
+        # 3: model-state memory on 2 ranks, after the timing runs (not to disturb them)
+        log("model-state memory, ZeRO stages 0-3 on 2 ranks")
+        results["memory"], results["memory_error"] = self.memory()
+        if results["memory_error"]:
+            self.failures.append(f"memory: {results['memory_error']}")
+
+        if arms["train"] and ds_config is not None:
+            from lmrepo.run import throughput_of
+
+            dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+            throughput = replace(throughput_of(self.cfg, ds_config, self.device), peak_tflops=results["peak"][dtype])
+            record = throughput.record(1, median_of(arms["train"], "times", self.warmup))
+            results["mfu"] = {"dtype": dtype, "peak": results["peak"][dtype], "tflops": record["tflops"],
+                              "mfu": record["mfu"], "tokens_per_s": record["tokens_per_s"],
+                              "params": self.params(self.model)}
+        results["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        return results
+
+    def params(self, model: dict) -> int:
+        from omegaconf import OmegaConf
+
+        from lmrepo.estimate import count_parameters, meta_model
+
+        return count_parameters(meta_model(OmegaConf.create(model)))
+
+    def memory(self) -> tuple[list | None, str | None]:
+        from lmrepo.config import validate
+        from lmrepo.errors import ConfigError
+
+        models = [("bench model", {})] if self.quick else [("bench model", {}), ("8 layers, vocab 8192", EVEN_MODEL)]
+        spec_models = []
+        try:
+            for label, change in models:
+                extra = [f"model.{k}={v}" for k, v in change.items()]
+                configs = {stage: validate(self.compose([*extra, f"zero=stage{stage}", "offload=none"]), 2, self.device)[0]
+                           for stage in range(4)}
+                model = {**self.model, **change}
+                spec_models.append({"label": label, "model": model, "params": self.params(model), "ds_configs": configs})
+        except ConfigError as err:
+            return None, str(err)
+        per_rank, error = self.worker("memory", "memory", self.spec("memory", models=spec_models), ranks=2)
+        return (None if error else [row for rows in per_rank for row in rows]), error
+
+
+# ---- the table ----
+
+def steady(times: list[float], warmup: int) -> list[float]:
+    return times[warmup:] or times[-1:]
+
+
+def median_of(runs: list[dict], key: str, warmup: int) -> float:
+    """Median step time over the steady steps of every run."""
+    return statistics.median(t for run in runs for t in steady(run[key], warmup))
+
+
+def paired(runs: list[dict], key: str, reference: str, warmup: int) -> float:
+    """Median over steady steps of step time / the reference's step time right next to it."""
+    return statistics.median(a / b for run in runs for a, b in zip(steady(run[key], warmup), steady(run[reference], warmup)))
+
+
+def per_run(runs: list[dict], warmup: int) -> str:
+    return ", ".join(f"{statistics.median(steady(run['times'], warmup)):.4f}" for run in runs)
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def report(r: dict) -> str:
+    m, w, lines = r["machine"], r["warmup"], []
+    add = lines.append
+    add("# lmrepo bench" + (" (--quick: a smoke run; its ratios mean little)" if r["quick"] else ""))
+    add("")
+    add("## Machine")
+    add("")
+    add(f"- CPU: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, ISA: {', '.join(m['isa']) or '?'}")
+    add(f"- {m['os']}, Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}, "
+        f"transformers {m['transformers']}, accelerate {m['accelerate']}")
+    add(f"- load average at start {m['load_average']}, at end {m.get('load_average_end')} "
+        "(other processes on the machine add noise: arms are paired step by step or interleaved to share it)")
+    add(f"- job: `{' '.join(r['job'])}`; {r['steps']} steps per run, the first {w} left out, "
+        f"{r['rounds']} run(s) per arm; medians of the remaining steps")
+    add("")
+    add("## CPU matmul peak")
+    add("")
+    add(f"| dtype | TFLOP/s (best 2048x2048 torch.matmul, {m['torch_threads']} threads) |")
+    add("| --- | --- |")
+    for dtype, tflops in r["peak"].items():
+        add(f"| {dtype} | {tflops:.3f} |")
+    if "mfu" in r:
+        f = r["mfu"]
+        add("")
+        add(f"The bench's train.py runs ({f['params'] / 1e6:.1f}M params, median step): {f['tokens_per_s']:.0f} tokens/s, "
+            f"{f['tflops']:.3f} TFLOP/s, MFU {100 * f['mfu']:.1f}% of the measured {f['dtype']} peak {f['peak']:.3f} TFLOP/s.")
+    add("")
+
+    arms, errors = r["arms"], r["arm_errors"]
+    fit, train, bare, hf = arms["fit"], arms["train"], arms["bare"], arms["hf"]
+    add("## 1. train.py vs bare DeepSpeed loop")
+    add("")
+    add("| measurement | train.py loop: median step (s) | bare loop: median step (s) | train.py / bare |")
+    add("| --- | --- | --- | --- |")
+    if fit:
+        add(f"| one process, steps paired: `lmrepo.loop.fit` with a bare step right after each of its steps | "
+            f"{median_of(fit, 'times', w):.4f} | {median_of(fit, 'bare_times', w):.4f} | "
+            f"**{paired(fit, 'times', 'bare_times', w):.3f}** (median of per-step ratios) |")
+    if train and bare:
+        add(f"| separate processes, runs interleaved: `python train.py` vs the bare loop alone | "
+            f"{median_of(train, 'times', w):.4f} | {median_of(bare, 'times', w):.4f} | "
+            f"{median_of(train, 'times', w) / median_of(bare, 'times', w):.3f} (ratio of medians) |")
+    add("")
+    if fit:
+        ratio = paired(fit, "times", "bare_times", w)
+        extra = statistics.median(a - b for x in fit for a, b in zip(steady(x["times"], w), steady(x["bare_times"], w)))
+        add(f"Issue target train.py / bare <= 1.05: {verdict(ratio <= 1.05)} ({ratio:.3f}, paired steps; train.py's "
+            f"step takes {1000 * extra:+.1f} ms more, median of the paired differences). "
+            "train.py's step is the wall time between its consecutive metrics lines (logged every step): "
+            "data, forward, backward, step, the loss all-reduce, metrics, logging, progress bar.")
+        add(f"Same work: in each process the two loops' losses differ by at most "
+            f"{max(max_diff(x['losses'], x['bare_losses']) for x in fit):.2e}"
+            + (f"; `python train.py` and the bare loop alone by {max_diff(train[0]['losses'], bare[0]['losses']):.2e}"
+               if train and bare else "") + ".")
+    if train:
+        add(f"`python train.py` per-run medians (s): {per_run(train, w)}; its own tokens_per_s metric gives "
+            f"{median_of(train, 'window_times', w):.4f} s per step" + (f"; the bare loop alone: {per_run(bare, w)}" if bare else "") + ".")
+    for arm in ("train", "bare", "fit"):
+        if arm in errors:
+            add(f"{arm} run failed: {errors[arm]}")
+    add("")
+
+    add("## 2. train.py vs Hugging Face Trainer")
+    add("")
+    if fit and hf:
+        fit_ratio, hf_ratio = paired(fit, "times", "bare_times", w), paired(hf, "times", "bare_times", w)
+        add("| measurement | train.py | HF Trainer + DeepSpeed | train.py / HF |")
+        add("| --- | --- | --- | --- |")
+        add(f"| step time / the bare loop's paired step (the same bare loop runs in both processes) | {fit_ratio:.3f} | "
+            f"{hf_ratio:.3f} | **{fit_ratio / hf_ratio:.3f}** |")
+        add(f"| median step (s) | {median_of(fit, 'times', w):.4f} | {median_of(hf, 'times', w):.4f} | "
+            f"{median_of(fit, 'times', w) / median_of(hf, 'times', w):.3f} |")
+        add("")
+        add(f"Issue target: at least as fast (<= 1.0): {verdict(fit_ratio / hf_ratio <= 1.0)}. Mean training loss: train.py "
+            f"{statistics.fmean(fit[0]['losses']):.4f}, HF Trainer {hf[0]['mean_loss']:.4f} (close, not equal: "
+            "DeepSpeed builds the Trainer's AdamW from one parameter group, weight decay on every parameter; "
+            "train.py exempts biases and norms). The Trainer ran a "
+            f"`{hf[0]['engine']}`" + (" with `use_cpu=True`: without it TrainingArguments refuses bf16 on a machine "
+                                       "without a GPU" if hf[0]["use_cpu"] else "")
+            + "; its step is the wall time between step ends (a callback), its logging off; train.py logs every step.")
+    if "hf" in errors:
+        add(f"HF Trainer could not be measured: {errors['hf']}")
+    add("")
+
+    add("## 3. Model-state memory per rank")
+    add("")
+    if r.get("memory"):
+        add(memory_table(r["memory"], r["ds_config"] or {}))
+    if r.get("memory_error"):
+        add(f"Memory could not be measured: {r['memory_error']}")
+    add("")
+
+    add("## 4. torch.compile")
+    add("")
+    if fit:
+        add("| arm (bare loop, one process, steps alternating) | first step (s) | median step (s) |")
+        add("| --- | --- | --- |")
+        add(f"| eager | {fit[0]['bare_times'][0]:.2f} | {median_of(fit, 'bare_times', w):.4f} |")
+        add(f"| `engine.compile()` (inductor) | {fit[0]['compiled_times'][0]:.2f} | {median_of(fit, 'compiled_times', w):.4f} |")
+        add("")
+        add(f"**compiled / eager step time = {paired(fit, 'compiled_times', 'bare_times', w):.3f}** (median of per-step "
+            "ratios; the first compiled step includes compilation). Losses differ by at most "
+            f"{max(max_diff(x['compiled_losses'], x['bare_losses']) for x in fit):.2e}. Both arms use the same model with "
+            "`model.loss_type` set: unset, transformers logs a warning inside forward, a graph break.")
+    else:
+        add(f"torch.compile could not be measured: {errors.get('fit', 'no fit run')}")
+    return "\n".join(lines) + "\n"
+
+
+def memory_table(rows: list[dict], ds_config: dict) -> str:
+    from lmrepo.estimate import model_state_bytes
+
+    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled", True) else "fp32"
+    mb = lambda b: f"{b / 1e6:.1f}"
+    out = [f"Measured after the second backward, before its optimizer step, on {rows[0]['world']} ranks ({dtype}); "
+           "MB = 1e6 bytes. Theory: lmrepo.estimate.model_state_bytes (ZeRO paper, 2+2+12 bytes per parameter "
+           "in mixed precision, divided per stage). Measured: the storages of the engine's own tensors "
+           "(parameters or their ZeRO-3 partitions, gradients and gradient partition buffers, the fp32 master "
+           "copy and Adam moments), not RSS. Buffers (communication buckets) are not model states: listed apart.",
+           "",
+           "| model (params) | stage | theory | rank: params + grads + optimizer = total | error (worst rank) | within 10% | buffers |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (model, stage) in dict.fromkeys((row["model"], row["stage"]) for row in rows):
+        ranks = sorted((row for row in rows if (row["model"], row["stage"]) == (model, stage)), key=lambda x: x["rank"])
+        theory = model_state_bytes(ranks[0]["n_params"], stage, ranks[0]["world"], dtype=dtype).gpu
+        totals = [x["params"] + x["grads"] + x["optimizer"] for x in ranks]
+        worst = max((t / theory - 1 for t in totals), key=abs)
+        held = "; ".join(f"{x['rank']}: {mb(x['params'])} + {mb(x['grads'])} + {mb(x['optimizer'])} = {mb(t)}"
+                         for x, t in zip(ranks, totals))
+        out.append(f"| {model} ({ranks[0]['n_params'] / 1e6:.1f}M) | {stage} | {mb(theory)} | {held} | "
+                   f"{100 * worst:+.1f}% | {'yes' if abs(worst) <= 0.10 else 'no'} | "
+                   f"{' / '.join(mb(x['buffers']) for x in ranks)} |")
+    out += ["", "ZeRO-1/2 keep gradients per whole parameter: a rank's gradient buffer holds every parameter its "
+            "partition touches in full (`grads_in_partition` sums their numel), so one tensor that straddles the "
+            "partition boundary (GPT-2's token embedding is 80% of gpt2-tiny) is held whole. ZeRO-3 keeps parameters "
+            "under `stage3_param_persistence_threshold` whole on every rank, and its reduce bucket "
+            "(`reduce_bucket_size` elements) is allocated up front: the buffers column."]
+    return "\n".join(out)
+
+
+def main() -> None:
+    args, overrides = parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        raise SystemExit(f"lmrepo: error: unknown option {bad[0]}")
+    bench = Bench(args, overrides)
+    started = time.perf_counter()
+    results = bench.run()
+    results["wall_s"] = time.perf_counter() - started
+    (bench.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    text = report(results) + f"\n(bench wall time {results['wall_s']:.0f} s; runs, logs and results in {bench.out})\n"
+    (bench.out / "results.md").write_text(text)
+    print(text, flush=True)
+    for failure in bench.failures:
+        print(f"lmrepo: bench: {failure}", file=sys.stderr)
+    raise SystemExit(1 if bench.failures else 0)
+
+
+if __name__ == "__main__":
+    main()
