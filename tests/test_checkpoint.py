@@ -39,20 +39,26 @@ def test_resumed_run_equals_uninterrupted(launch2, overrides):
     assert trajectory(resumed) == trajectory(uninterrupted, after=3)  # bit for bit: loss, lr, eval loss
 
 
-def test_resume_on_one_rank_through_the_universal_checkpoint(launch2, tmp_path):
-    """2 ranks -> 1 rank: the ZeRO-2 partitions are re-cut automatically; same global batch (grad_accum 2)."""
-    two_ranks = launch2("zero=stage2", "precision=fp32")
-    run_dir = tmp_path / "one"
-    proc = run_train([*TINY, "zero=stage2", "precision=fp32", "trainer.grad_accum=2",
-                      f"run.resume={two_ranks / FIRST}"], run_dir)
-    assert_ok(proc)
+def test_resume_on_other_rank_counts_through_the_universal_checkpoint(launch2, tmp_path):
+    """2 ranks -> 1 rank -> 3 ranks, ZeRO-2, global batch 12 throughout (micro 2 x accum 3/6/2):
+    the partitions are re-cut automatically and the loss continues where it was."""
+    batch = ["zero=stage2", "precision=fp32", "trainer.micro_batch_size=2", "trainer.max_steps=8"]
+    two_ranks = launch2(*batch, "trainer.grad_accum=3")
+    one_rank = tmp_path / "one"
+    assert_ok(run_train([*TINY, *batch, "trainer.grad_accum=6", "trainer.save_every=3",
+                         f"run.resume={two_ranks / FIRST}"], one_rank))
     assert (two_ranks / (FIRST + "_universal")).is_dir()
-    ours, theirs = trajectory(run_dir), trajectory(two_ranks, after=3)
-    assert [t[0] for t in ours] == [t[0] for t in theirs]
-    for (_, loss, lr, _), (_, ref_loss, ref_lr, _) in zip(ours, theirs):
-        assert lr == ref_lr
-        if loss is not None:
-            assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # one rank sums the batch in another order
+    three_ranks = tmp_path / "three"
+    assert_ok(run_train([*TINY, *batch, "trainer.grad_accum=2", f"run.resume={one_rank / 'checkpoints/step_00000006'}"],
+                        three_ranks, ranks=3))
+    reference = trajectory(two_ranks)
+    for resumed, after in ((one_rank, 3), (three_ranks, 6)):
+        ours, theirs = trajectory(resumed), [t for t in reference if t[0] > after]
+        assert [t[0] for t in ours] == [t[0] for t in theirs]
+        for (_, loss, lr, _), (_, ref_loss, ref_lr, _) in zip(ours, theirs):
+            assert lr == ref_lr
+            if loss is not None:
+                assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # other rank counts sum in another order
 
 
 def popen_two_ranks(overrides: list[str], run_dir: Path) -> subprocess.Popen:
