@@ -2,10 +2,12 @@
 spec (model, the DeepSpeed config train.py wrote, the prepared token files, seed, steps) and returns
 JSON-able results; scripts/bench.py launches them, interleaves them and prints the table.
 
-- `bare_loop`: the seeds' loop (`engine(batch).loss; engine.backward(loss); engine.step()`) over
-  the batches train.py reads, materialized before the clock starts; with arms "eager" and
-  "compiled" the two engines step alternately in one process (`engine.compile()`, inductor).
-- `hf_trainer`: Hugging Face Trainer on the same model, batches and DeepSpeed config.
+- `BareArms`: the seeds' loop (`engine(batch).loss; engine.backward(loss); engine.step()`) over
+  the batches train.py reads, materialized before the clock starts, one step at a time: the
+  ruler the other loops are paired with, eager and (arm "compiled") after `engine.compile()`.
+- `bare_loop`: the bare loop alone; `fit_and_bare`: lmrepo.loop.fit with a bare step after each of
+  its steps; `hf_trainer`: Hugging Face Trainer on the same model, batches and DeepSpeed config,
+  with a bare step after each of its steps.
 - `model_state_memory`: on each of 2 ranks, the bytes of the tensors each ZeRO stage keeps for
   parameters, gradients and optimizer states, counted from the engine's own tensors.
 """

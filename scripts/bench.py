@@ -6,17 +6,27 @@ the issue's targets.
     python scripts/bench.py --quick           # smoke run of every measurement: tiny model, a few steps, ~1 min
     python scripts/bench.py model.n_layer=8   # train.py's overrides choose the job (GPT-2 models)
 
-1. train.py against the seeds' bare DeepSpeed loop: the same model, seed, batches (the blocks
-   train.py reads, materialized before the bare loop's clock starts), the ds_config.json train.py
-   wrote and the same number of steps, 1 rank. train.py's step time is the wall time between its
-   consecutive metrics lines (`elapsed_s`, logged every step): everything the loop does, logging
-   included. Runs alternate (train.py, bare, HF, HF, bare, train.py) so drifting load hits all arms.
-2. train.py against Hugging Face Trainer with the same DeepSpeed config, model, samples and batch.
+Every arm trains the same model (same preset and seed) on the same batches (the blocks train.py
+reads, materialized before a bare loop's clock starts) with the ds_config.json train.py wrote, on
+1 rank, for the same number of steps. Other processes on a shared machine swing step times far
+more than the few percent asked about, so the comparisons are paired step by step in one process,
+with the seeds' bare loop as the common ruler:
+
+1. train.py against the seeds' bare DeepSpeed loop (`engine(batch).loss; engine.backward(loss);
+   engine.step()`): `lmrepo.loop.fit`, wired as lmrepo.run.train wires it, with a bare step right
+   after each of its steps (inside its metrics sink); fit's step is the wall time between its
+   consecutive metrics lines (everything the loop does, logging included) less that bare step.
+   The ratio is the median of the per-step ratios. Also `python train.py` against the bare loop
+   alone in separate processes, runs interleaved (train.py, bare, fit, HF, HF, fit, bare, train.py).
+2. train.py against Hugging Face Trainer with the same DeepSpeed config: the Trainer's process
+   steps the same bare loop after each of its steps (a callback); train.py / HF =
+   (fit / bare) / (HF / bare).
 3. Model-state memory per rank for ZeRO stages 0-3 on 2 ranks (`deepspeed --num_gpus 2`): the
    bytes of the tensors each rank holds for parameters, gradients and optimizer states, against
    lmrepo.estimate's theoretical division.
-4. torch.compile through DeepSpeed's `engine.compile()` against eager, alternating steps in one process.
-Also the CPU's measured matmul peak (bf16, fp32), and the default run's TFLOP/s and MFU against it.
+4. torch.compile through DeepSpeed's `engine.compile()` against eager: a compiled bare engine
+   steps in the fit process too, alternating with the eager one.
+Also the CPU's measured matmul peak (bf16, fp32), and the train.py runs' TFLOP/s and MFU against it.
 
 Medians of the steps after the first --warmup of each run. Results also go to <out>/results.md
 and results.json. Exit 0 when every measurement ran, 1 when one failed (its reason is printed).
@@ -156,13 +166,13 @@ class Bench:
                            self.out / f"{name}.log", self.out)
         if error:
             return None, error
+        ds_config = json.loads((run_dir / "ds_config.json").read_text())
         lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = sorted((l for l in lines if "loss" in l), key=lambda l: l["step"])
         elapsed = [0.0] + [l["elapsed_s"] for l in steps]
-        tokens_per_step = json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] * self.cfg.data.block_size
+        tokens_per_step = ds_config["train_batch_size"] * self.cfg.data.block_size
         return {"times": [b - a for a, b in zip(elapsed, elapsed[1:])], "losses": [l["loss"] for l in steps],
-                "window_times": [tokens_per_step / l["tokens_per_s"] for l in steps],
-                "ds_config": json.loads((run_dir / "ds_config.json").read_text())}, None
+                "window_times": [tokens_per_step / l["tokens_per_s"] for l in steps], "ds_config": ds_config}, None
 
     # ---- the measurements ----
 

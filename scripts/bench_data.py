@@ -32,21 +32,13 @@ from pathlib import Path
 
 import psutil
 
+from lmrepo.compose import compose_config
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # conf/train.yaml names the launcher plugin in hydra_plugins/, as train.py finds it
 
 SEED_BATCH, SEED_MAX_LENGTH = 8, 1024   # seed 000: DataLoader(batch_size=8), tokenizer(max_length=1024)
 
 
-def compose_config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from lmrepo.launch import register_resolvers
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        # run.dir interpolates ${hydra:...}, which only a running Hydra app resolves.
-        return compose(config_name="train", overrides=[*overrides, "run.dir=/nonexistent/lmrepo-bench-data"])
 
 
 def text_overrides(corpus: Path, cache: Path) -> list[str]:

@@ -16,22 +16,19 @@ No process group, no GPU, nothing written. A bad argument: one line on stderr, e
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from lmrepo.compose import compose_config
 from lmrepo import estimate
 from lmrepo.config import check_checkpointing, check_layout, check_model, check_trainer, model_shape
 from lmrepo.ds_config import resolve_batch, zero_section
 from lmrepo.errors import ConfigError
-from lmrepo.launch import register_resolvers
 from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 
-REPO = Path(__file__).resolve().parents[1]
 
 OWN_KEYS = {"world": (int, 1), "gpus_per_node": (int, None), "tokens": (float, 300e9),
             "tflops": (float, None), "gpu": (str, "A100"), "mfu": (float, 0.4)}
@@ -71,11 +68,6 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
     return own, overrides
 
 
-def compose_config(overrides: list[str]):
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        # run.dir interpolates ${hydra:...}, which only a running Hydra app resolves.
-        return compose(config_name="train", overrides=[*overrides, "run.dir=/nonexistent/lmrepo-estimate"])
 
 
 @dataclass

@@ -14,17 +14,14 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from lmrepo.compose import compose_config
 from lmrepo.data.prepare import load_meta, prepare_sources
 from lmrepo.errors import ConfigError
-from lmrepo.launch import register_resolvers
 from lmrepo.tokenizer import load_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # conf/train.yaml names the launcher plugin in hydra_plugins/, as train.py finds it
 
 
 def fail(message: str) -> NoReturn:
@@ -32,11 +29,6 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def compose_config(overrides: list[str]):
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        # run.dir interpolates ${hydra:...}, which only a running Hydra app resolves.
-        return compose(config_name="train", overrides=[*overrides, "run.dir=/nonexistent/lmrepo-prepare-data"])
 
 
 def describe(directory: Path, reused: bool, weight: float | None) -> str:

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from lmrepo.launch import register_resolvers
+from lmrepo.compose import compose_config  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -22,13 +21,6 @@ DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
         "trainer.micro_batch_size=4", "trainer.max_steps=6", "trainer.warmup_steps=1",
         "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2", "logger=jsonl"]
-
-
-def compose_config(overrides: list[str] = (), run_dir: Path | str = "/tmp/lmrepo-test-run"):
-    """The composed config train.py would see (Hydra's compose API), with run.dir pinned."""
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=[*overrides, f"run.dir={run_dir}"])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import DEEPSPEED, REPO, TINY, assert_ok, compose_config, free_port, read_metrics, run_train
+from conftest import DEEPSPEED, REPO, TINY, assert_ok, free_port, read_metrics, run_train
 
 pytestmark = pytest.mark.distributed
 

@@ -15,7 +15,7 @@ from lmrepo.errors import ConfigError
 
 CPU = Device("cpu", fp16=False, bf16=True)
 GPU = Device("cuda", fp16=True, bf16=True)
-MANDATORY = {"data=text": "data.paths", "data=json": "data.paths", "data=hf": "data.name"}
+MANDATORY = {"data=text": "data.paths", "data=json": "data.paths", "data=hf": "data.name", "data=mixture": "data.sources"}
 
 # Seed 004's ds_config.json, verbatim.
 SEED_004 = """{
@@ -58,9 +58,10 @@ SEED_004 = """{
 
 
 def all_options() -> list[str]:
-    """`group=option` for every YAML of every config group (hydra's own groups excluded)."""
-    return [f"{group.name}={yaml.stem}" for group in sorted(CONF.iterdir()) if group.is_dir() and group.name != "hydra"
-            for yaml in sorted(group.glob("*.yaml"))]
+    """`group=option` for every YAML of every technique group (hydra's own and the experiment
+    recipes, which override other groups, excluded)."""
+    return [f"{group.name}={yaml.stem}" for group in sorted(CONF.iterdir())
+            if group.is_dir() and group.name not in ("hydra", "experiment") for yaml in sorted(group.glob("*.yaml"))]
 
 
 def option_yaml(group: str, option: str) -> dict:
@@ -88,6 +89,27 @@ def write_json(tmp_path: Path, text: str) -> Path:
 def test_every_group_has_options():
     groups = {option.split("=")[0] for option in all_options()}
     assert {"model", "data", "precision", "zero", "offload", "pipeline", "checkpointing", "logger"} <= groups
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_experiment_recipe_composes_and_validates(recipe, tmp_path):
+    """Recipes override and sweep other groups by name: a typo there would only show when a sweep starts.
+    Every job of a recipe's sweep must pass validation (on a GPU: the precision sweep has fp16)."""
+    from hydra import compose, initialize_config_dir
+
+    from lmrepo.launch import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"experiment={recipe}", f"run.dir={tmp_path}"],
+                      return_hydra_config=True)
+    jobs = [[]]
+    for group, options in (cfg.hydra.sweeper.params or {}).items():
+        jobs = [[*job, f"{group}={option}"] for job in jobs for option in options.split(",")]
+    for job in jobs:
+        extra = [f"offload.nvme_path={tmp_path}"] if "offload=nvme" in job else []
+        validate(compose_config([f"experiment={recipe}", *job, *extra]), cfg.launcher.ranks,
+                 Device("cuda", fp16=True, bf16=True))
 
 
 @pytest.mark.parametrize("option", all_options())
