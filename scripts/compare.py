@@ -8,9 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lmrepo without installing it
-
-from lmrepo.compare import CompareError, load_dirs, load_wandb, report  # noqa: E402
+from lmrepo.compare import CompareError, load_dirs, load_wandb, report
 
 
 def main() -> None:
