@@ -116,7 +116,7 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, state: TrainState,
         if state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped:
             last = {"step": state.step, "loss": loss_value, "lr": lr, "tokens": state.consumed * data.block_tokens,
                     **throughput.record(window_steps, window_seconds), **loss_scale_record(engine),
-                    "elapsed_s": time.perf_counter() - fit_start}
+                    "elapsed_s": time.perf_counter() - fit_start, "time": time.time()}
             if min_loss_scale is not None and last.get("loss_scale", float("inf")) <= min_loss_scale \
                     and engine.skipped_steps >= state.step // 2:
                 raise TrainingError(f"fp16 loss scale stuck at its minimum {min_loss_scale} with {engine.skipped_steps} "

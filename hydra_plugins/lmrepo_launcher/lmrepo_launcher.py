@@ -147,10 +147,14 @@ class LmrepoLauncher(Launcher):
         env = dict(os.environ, LMREPO_SWEEP_GROUP=f"{sweep_dir.parent.name}_{sweep_dir.name}",
                    LMREPO_SWEEP_DIR=str(sweep_dir), LMREPO_JOB_NAME=job.name)
         log.info(f"\t#{job.num} : {' '.join(filter_overrides(job.overrides))} ({job.ranks} rank(s))")
-        log_file = open(job.run_dir / "job.log", "w")
-        job.process = subprocess.Popen(self._command(job), stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+        command = self._command(job)
         job.started = time.time()
+        # job.json: the exact command (to rerun one job by hand) and when it started.
+        (job.run_dir / "job.json").write_text(json.dumps(
+            {"num": job.num, "name": job.name, "command": command, "started": job.started}, indent=2))
+        log_file = open(job.run_dir / "job.log", "w")
+        job.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
 
     def _finished(self, job: Job) -> bool:
         if job.process.poll() is None:

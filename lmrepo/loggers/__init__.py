@@ -22,7 +22,7 @@ class TensorBoardSink:
 
     def log(self, record: dict) -> None:
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
+            if key not in ("step", "time") and isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, record["step"])
 
     def finish(self) -> None:

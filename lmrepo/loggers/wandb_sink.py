@@ -69,7 +69,7 @@ class WandbSink:
             settings=wandb.Settings(init_timeout=60, console="off", silent=True))
 
     def log(self, record: dict) -> None:
-        self.run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+        self.run.log({k: v for k, v in record.items() if k not in ("step", "time") and v is not None}, step=record["step"])
 
     def finish(self) -> None:
         self.run.finish()
