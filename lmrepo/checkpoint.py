@@ -59,6 +59,10 @@ def save(engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenize
     dist.barrier()
 
 
+def size_gb(tag_dir: Path) -> float:
+    return sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file()) / 2**30
+
+
 def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
     """Deletes all but the newest `keep_last` checkpoints (0 keeps all)."""
     if keep_last <= 0:

@@ -84,18 +84,26 @@ def train(cfg: DictConfig) -> dict:
     checkpoint_dir = run_dir / "checkpoints"
 
     def save(state: TrainState) -> None:
+        saving = time.perf_counter()
         checkpoint.save(engine, checkpoint_dir, state, config, len(tokenizer), cfg.trainer.keep_last)
+        if rank0:
+            sinks.log({"step": state.step, "checkpoint_save_s": time.perf_counter() - saving,
+                       "checkpoint_gb": checkpoint.size_gb(checkpoint_dir / checkpoint.tag_for(state.step))})
 
     sinks, started = None, time.time()
     try:
         data = LMData(data_sources, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
                       cfg.trainer.eval_batches)
+        loading = time.perf_counter()
         state = checkpoint.load(engine, resume) if resume else TrainState()
+        load_seconds = time.perf_counter() - loading
         if rank0:
             if resume:
                 truncate_metrics(run_dir, state.step)  # a crashed run's lines past the checkpoint are redone
                 print(f"lmrepo: resumed from {resume.directory / resume.tag} at step {state.step}", flush=True)
             sinks = build_sinks(cfg.logger, run_dir, config, ds_config)
+            if resume:
+                sinks.log({"step": state.step, "checkpoint_load_s": load_seconds})
         fp16 = ds_config.get("fp16", {})
         last, stopped = fit(engine, data, cfg.trainer, throughput_of(cfg, ds_config, device), sinks, state, save,
                             checkpoint_requests, rank0,
