@@ -5,9 +5,9 @@ JSON-able results; scripts/bench.py launches them, interleaves them and prints t
 - `BareArms`: the seeds' loop (`engine(batch).loss; engine.backward(loss); engine.step()`) over
   the batches train.py reads, materialized before the clock starts, one step at a time: the
   ruler the other loops are paired with, eager and (arm "compiled") after `engine.compile()`.
-- `bare_loop`: the bare loop alone; `fit_and_bare`: lmrepo.loop.fit with a bare step after each of
-  its steps; `hf_trainer`: Hugging Face Trainer on the same model, batches and DeepSpeed config,
-  with a bare step after each of its steps.
+- `bare_loop`: the bare loop alone (eager, or eager against compiled); `fit_and_bare`:
+  lmrepo.loop.fit with a bare step after each of its steps; `hf_trainer`: Hugging Face Trainer
+  on the same model, batches and DeepSpeed config, with a bare step after each of its steps.
 - `model_state_memory`: on each of 2 ranks, the bytes of the tensors each ZeRO stage keeps for
   parameters, gradients and optimizer states, counted from the engine's own tensors.
 """
@@ -85,8 +85,9 @@ def build(spec: dict, loss_type: str | None = None):
 
 class BareArms:
     """Engines driven by the seeds' loop over the same batches, one optimizer step at a time:
-    arm "eager", and "compiled" (`engine.compile()`, inductor). Each `step()` steps every arm
-    once (the order alternates, so neither always runs first) and records its wall time and loss."""
+    arm "eager", and "compiled" (`engine.compile()`, inductor). Each arm walks the batches on its
+    own; `step()` steps the given arms (all by default: the order alternates, so neither always
+    runs first) and records each one's wall time and loss."""
 
     def __init__(self, spec: dict, arms: list[str]):
         self.batches = step_batches(spec)
@@ -98,23 +99,23 @@ class BareArms:
                 self.engines[arm].compile()
         self.times = {arm: [] for arm in arms}
         self.losses = {arm: [] for arm in arms}
-        self.done = 0
+        self.calls = 0
 
-    def step(self) -> float:
-        """Steps every arm once; returns the seconds it took (to subtract where it ran inside another clock)."""
+    def step(self, arms: list[str] | None = None) -> float:
+        """Steps each arm once; returns the seconds it took (to subtract where it ran inside another clock)."""
         begin = time.perf_counter()
-        arms = list(self.engines) if self.done % 2 == 0 else list(self.engines)[::-1]
+        arms = arms or (list(self.engines) if self.calls % 2 == 0 else list(self.engines)[::-1])
         for arm in arms:
             engine, micro_losses = self.engines[arm], []
             start = time.perf_counter()
-            for batch in self.batches[self.done]:
+            for batch in self.batches[len(self.times[arm])]:
                 loss = engine(**batch).loss
                 engine.backward(loss)
                 engine.step()
                 micro_losses.append(loss.detach())
             self.times[arm].append(time.perf_counter() - start)
             self.losses[arm].append(torch.stack(micro_losses).float().mean().item())  # as train.py logs it
-        self.done += 1
+        self.calls += 1
         return time.perf_counter() - begin
 
     def result(self) -> dict:
@@ -122,13 +123,18 @@ class BareArms:
 
 
 def bare_loop(spec: dict) -> dict:
-    """The seeds' loop alone: step times (s) and losses per arm."""
+    """The seeds' loop alone: step times (s) and losses per arm. Several arms take turns in blocks
+    of `spec["block"]` steps: a compiled engine stepped between eager steps slowed those eager
+    steps by about 3% here (cause not pinned down), in blocks that cost falls on few steps."""
     from lmrepo.launch import ensure_single_process_env
 
     ensure_single_process_env()
     arms = BareArms(spec, spec["arms"])
-    for _ in range(spec["steps"]):
-        arms.step()
+    block = spec.get("block", 1)
+    for first in range(0, spec["steps"], block):
+        for arm in (spec["arms"] if first // block % 2 == 0 else spec["arms"][::-1]):
+            for _ in range(min(block, spec["steps"] - first)):
+                arms.step([arm])
     return {"bare": arms.result()}
 
 
@@ -273,11 +279,10 @@ def held_bytes(engine) -> dict:
     fp32 master copy and Adam moments), `buffers` (anything else the ZeRO optimizer holds, e.g.
     communication buckets: not model states). A storage counts once, whole (a view keeps it
     alive), under the first of those kinds that reaches it."""
-    params, opt = [], []
+    params, stepped, everything = [], [], []
     for name, p in engine.module.named_parameters():
         _reachable(p, f"module.{name}", params, set())
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    stepped, everything = [], []
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer inside DeepSpeed's wrapper
     _reachable({"state": inner.state, "param_groups": inner.param_groups}, "inner", stepped, set())
     _reachable(engine.optimizer, "optimizer", everything, set())
 

@@ -38,7 +38,7 @@ def enable_activation_checkpointing(model, checkpointing, ds_config: dict) -> No
                 module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
 
 
-def build_engine(model_cfg, checkpointing, ds_config: dict):
+def build_engine(model_cfg, checkpointing, ds_config: dict, compile: bool = False):
     zero3 = None
     if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
         # While this object lives, transformers builds (and loads) the model under
@@ -49,5 +49,7 @@ def build_engine(model_cfg, checkpointing, ds_config: dict):
     enable_activation_checkpointing(model, checkpointing, ds_config)
     weight_decay = ds_config["optimizer"]["params"].get("weight_decay", 0.0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay), config=ds_config)
+    if compile:
+        engine.compile()  # in place: parameter names, hence checkpoints, are unchanged
     engine.zero3_hf_config = zero3  # keep alive for the engine's lifetime
     return engine

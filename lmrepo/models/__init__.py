@@ -16,4 +16,6 @@ def build_model(model) -> PreTrainedModel:
         net = family.MODEL_CLASS._from_config(family.hf_config(model))
     # Training never reuses attention key/value caches.
     net.config.use_cache = False
+    # Named, transformers does not warn from inside forward (a graph break under torch.compile).
+    net.loss_type = family.LOSS_TYPE
     return net

@@ -1,6 +1,7 @@
 """BERT as transformers builds it: masked-LM head tied to the word embeddings."""
 from transformers import BertConfig, BertForMaskedLM
 
+LOSS_TYPE = "ForMaskedLM"
 MODEL_CLASS = BertForMaskedLM
 
 

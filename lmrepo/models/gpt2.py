@@ -1,6 +1,7 @@
 """GPT-2 as transformers builds it: a causal LM with tied input/output embeddings."""
 from transformers import GPT2Config, GPT2LMHeadModel
 
+LOSS_TYPE = "ForCausalLM"
 MODEL_CLASS = GPT2LMHeadModel
 
 
