@@ -5,6 +5,7 @@
     python scripts/compare.py --wandb ENTITY/PROJECT/GROUP --out reports/g   # from W&B
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,11 @@ def main() -> None:
     try:
         jobs = load_dirs(args.dirs) + (load_wandb(args.wandb) if args.wandb else [])
     except CompareError as err:
-        print(f"compare: error: {err}", file=sys.stderr)
+        print(f"compare: error: {err}", file=sys.stderr, flush=True)
+        if args.wandb:
+            # A W&B service process that could not reach its server can block the interpreter's
+            # exit (seen here: the error printed, then a hang in wandb's atexit teardown).
+            os._exit(2)
         raise SystemExit(2)
     out = args.out or args.dirs[0]
     print(report(jobs, out), end="")
