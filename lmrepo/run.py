@@ -62,6 +62,7 @@ def throughput_of(cfg: DictConfig, ds_config: dict, device) -> Throughput:
 
 
 def train(cfg: DictConfig) -> dict:
+    started = time.time()  # status.json's wall_s covers start-up too
     launch.adopt_slurm_env()
     run_dir = Path(cfg.run.dir)
     rank0 = launch.rank() == 0
@@ -90,7 +91,7 @@ def train(cfg: DictConfig) -> dict:
             sinks.log({"step": state.step, "checkpoint_save_s": time.perf_counter() - saving,
                        "checkpoint_gb": checkpoint.size_gb(checkpoint_dir / checkpoint.tag_for(state.step))})
 
-    sinks, started = None, time.time()
+    sinks = None
     try:
         data = LMData(data_sources, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
                       cfg.trainer.eval_batches)

@@ -9,10 +9,15 @@ from urllib.parse import urlparse
 import wandb
 
 
+def server_url() -> str:
+    """W&B's own default (it has changed between releases), or WANDB_BASE_URL."""
+    return os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+
+
 def has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(server_url()).hostname
     try:
         return netrc.netrc().authenticators(host) is not None
     except (FileNotFoundError, netrc.NetrcParseError):
@@ -20,7 +25,7 @@ def has_api_key() -> bool:
 
 
 def server_reachable(timeout: float = 3.0) -> bool:
-    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    url = urlparse(server_url())
     try:
         with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
             return True
