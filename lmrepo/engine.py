@@ -1,4 +1,7 @@
 """The process group and the DeepSpeed engine around a plain transformers model."""
+import os
+from pathlib import Path
+
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -12,6 +15,16 @@ def init_distributed() -> None:
     ensure_single_process_env()
     # gloo on CPU (ccl when oneCCL is installed), NCCL on CUDA: the accelerator knows.
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def release_shm_buffer() -> None:
+    """DeepSpeed's CPU all-reduce (shm comm op) leaves its per-rank buffer in /dev/shm, named
+    after the master address and port, when the process exits: a machine that runs many jobs
+    fills its shared memory (seen here: 15 GB, then the OOM killer). Each rank unlinks its own;
+    the mapping stays valid until the process exits."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}")
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

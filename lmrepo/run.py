@@ -1,4 +1,5 @@
 """One training job: validate -> prepare data -> process group -> engine -> fit -> close."""
+import atexit
 import sys
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from lmrepo import checkpoint, launch
 from lmrepo.config import check_vocab, detect_device, model_shape, validate
 from lmrepo.data.loader import Layout, LMData
 from lmrepo.data.prepare import prepare_sources
-from lmrepo.engine import build_engine, init_distributed
+from lmrepo.engine import build_engine, init_distributed, release_shm_buffer
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.loggers import build_sinks
 from lmrepo.loop import StopRequest, Throughput, TrainState, fit
@@ -73,6 +74,7 @@ def train(cfg: DictConfig) -> dict:
 
     checkpoint_requests = StopRequest()  # before the process group: a signal during start-up still counts
     init_distributed()
+    atexit.register(release_shm_buffer)  # also after a failure; only kill -9 escapes it
     set_seed(cfg.trainer.seed)
     if rank0:
         write_config_files(run_dir, cfg, ds_config)

@@ -24,6 +24,16 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size
 
 
 @pytest.fixture(scope="session", autouse=True)
+def shm_buffers():
+    """Runs killed on purpose (kill -9 tests) cannot unlink DeepSpeed's /dev/shm all-reduce
+    buffers themselves: remove what the session left."""
+    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for leftover in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
+        leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def token_cache(tmp_path_factory):
     """One token cache for the session (tokenizing Shakespeare takes a few seconds)."""
     cache = os.environ.get("LMREPO_TEST_CACHE") or str(tmp_path_factory.mktemp("lmrepo-cache"))
