@@ -118,7 +118,7 @@ def check_files(tag_dir: Path) -> Path:
     return states
 
 
-def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int, dp_size: int) -> Resume:
+def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int) -> Resume:
     """Reads the checkpoint's client state and refuses one this run cannot continue."""
     tag_dir = directory / tag
     states_file = check_files(tag_dir)

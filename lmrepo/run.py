@@ -43,7 +43,7 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
     resume = None
     found = checkpoint.find(cfg.run.resume, run_dir / "checkpoints")
     if found:
-        resume = checkpoint.inspect(*found, cfg.model, len(tokenizer), world)
+        resume = checkpoint.inspect(*found, cfg.model, len(tokenizer))
         resume = checkpoint.prepare_universal(resume, world)
         if resume.universal:
             ds_config["checkpoint"] = {"load_universal": True}
