@@ -123,7 +123,7 @@ def train(cfg: DictConfig) -> dict:
         if sinks is not None:
             sinks.finish()
     if rank0:
-        summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float))
+        summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float) and k != "time")
         if stopped:
             write_status(run_dir, "stopped", started, final=last, signal=stopped)
             print(f"lmrepo: {stopped} received: checkpoint saved at step {state.step} in {checkpoint_dir}. "
