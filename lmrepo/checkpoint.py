@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
+from lmrepo.engine import data_parallel
 from lmrepo.errors import ConfigError
 from lmrepo.loop import TrainState
 
@@ -43,7 +44,7 @@ def tag_for(step: int) -> str:
 
 def save(engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int, keep_last: int) -> None:
     tag = tag_for(state.step)
-    client_state = {"step": state.step, "consumed": state.consumed, "dp_size": dist.get_world_size(),
+    client_state = {"step": state.step, "consumed": state.consumed, "dp_size": data_parallel(engine)[1],
                     "config": config, "tokenizer_size": tokenizer_size}
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -25,6 +26,15 @@ def release_shm_buffer() -> None:
     name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
             f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}")
     Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def data_parallel(engine) -> tuple[int, int]:
+    """(rank, size) of this process in its data-parallel group: the ranks that read different
+    samples. Without pipeline or tensor parallelism that is every rank."""
+    grid = getattr(engine, "grid", None)  # a PipelineEngine's process topology
+    if grid is not None:
+        return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+    return dist.get_rank(), dist.get_world_size()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

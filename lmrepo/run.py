@@ -12,7 +12,7 @@ from lmrepo import checkpoint, launch
 from lmrepo.config import check_vocab, detect_device, model_shape, validate
 from lmrepo.data.loader import Layout, LMData
 from lmrepo.data.prepare import prepare_sources
-from lmrepo.engine import build_engine, init_distributed, release_shm_buffer
+from lmrepo.engine import build_engine, data_parallel, init_distributed, release_shm_buffer
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.loggers import build_sinks
 from lmrepo.loop import StopRequest, Throughput, TrainState, fit
@@ -44,7 +44,9 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
     found = checkpoint.find(cfg.run.resume, run_dir / "checkpoints")
     if found:
         resume = checkpoint.inspect(*found, cfg.model, len(tokenizer))
-        resume = checkpoint.prepare_universal(resume, world)
+        dp_size = ds_config["train_batch_size"] // (ds_config["train_micro_batch_size_per_gpu"]
+                                                     * ds_config["gradient_accumulation_steps"])
+        resume = checkpoint.prepare_universal(resume, dp_size)
         if resume.universal:
             ds_config["checkpoint"] = {"load_universal": True}
     data_sources = prepare_sources(cfg.data, tokenizer)
@@ -81,8 +83,9 @@ def train(cfg: DictConfig) -> dict:
         if user_changed:
             print(f"lmrepo: deepspeed_config={cfg.deepspeed_config} sets {', '.join(user_changed)}", flush=True)
     engine = build_engine(cfg.model, cfg.checkpointing, ds_config, compile=cfg.trainer.compile)
+    dp_rank, dp_size = data_parallel(engine)
     layout = Layout(global_batch=ds_config["train_batch_size"], micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-                    dp_rank=dist.get_rank(), dp_size=dist.get_world_size())
+                    dp_rank=dp_rank, dp_size=dp_size)
     config = OmegaConf.to_container(cfg, resolve=True)
     checkpoint_dir = run_dir / "checkpoints"
 
