@@ -5,6 +5,7 @@ over it) or raises ConfigError with one line naming the keys to change.
 """
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,10 @@ from lmrepo.ds_config import build_ds_config, merge_user_config
 from lmrepo.errors import ConfigError
 
 
-PIPELINE_SCHEDULES = ("none",)
+# pipeline.schedule -> the engine that runs it: DeepSpeed's PipelineEngine, or torch.distributed.pipelining.
+PIPELINE_ENGINES = {"none": None, "1f1b": "deepspeed", "gpipe": "torch", "1f1b_torch": "torch", "interleaved": "torch"}
+PIPELINE_SCHEDULES = tuple(PIPELINE_ENGINES)
+PIPELINE_FAMILIES = ("gpt2", "bert")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ NUMERIC_KEYS = {
     "model": ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "dropout"),
     "data": ("block_size", "val_fraction"),
     "pipeline": ("stages",),
+    "tp": ("size",),
 }
 
 
@@ -103,7 +108,7 @@ def model_shape(model: DictConfig) -> dict:
 
 
 def check_model(model: DictConfig, data: DictConfig) -> None:
-    _require(model.family in ("gpt2", "bert"), f"model.family={model.family} is not gpt2 or bert")
+    _require(model.family in ("gpt2", "bert", "llama"), f"model.family={model.family} is not gpt2, bert or llama")
     shape = model_shape(model)
     _require(shape["n_embd"] % shape["n_head"] == 0,
              f"model.n_head={shape['n_head']} does not divide model.n_embd={shape['n_embd']}: change one of them")
@@ -122,16 +127,87 @@ def check_vocab(model: DictConfig, tokenizer_size: int) -> None:
 
 
 def check_layout(cfg: DictConfig, world_size: int) -> int:
-    """Returns the data-parallel size."""
-    stages = cfg.pipeline.stages
-    _require(cfg.pipeline.schedule in PIPELINE_SCHEDULES,
-             f"pipeline.schedule={cfg.pipeline.schedule} is not one of {', '.join(PIPELINE_SCHEDULES)}: choose a pipeline= option")
+    """Returns the data-parallel size: world = pipeline stages x data-parallel degree."""
+    pipe = cfg.pipeline
+    stages = pipe.stages
+    _require(pipe.schedule in PIPELINE_SCHEDULES,
+             f"pipeline.schedule={pipe.schedule} is not one of {', '.join(PIPELINE_SCHEDULES)}: choose a pipeline= option")
+    _require(pipe.get("engine") == PIPELINE_ENGINES[pipe.schedule],
+             f"pipeline.engine={pipe.get('engine')} does not run pipeline.schedule={pipe.schedule}: "
+             f"choose the pipeline={pipe.schedule} option as it is")
     _require(stages >= 1, "pipeline.stages must be >= 1")
-    _require(cfg.pipeline.schedule != "none" or stages == 1,
+    _require(pipe.schedule != "none" or stages == 1,
              f"pipeline.stages={stages} needs a pipeline schedule: choose a pipeline= option or set pipeline.stages=1")
     _require(world_size % stages == 0,
              f"pipeline.stages={stages} does not divide the world size {world_size}: change pipeline.stages or the rank count")
+    if pipe.schedule != "none":
+        check_pipeline(cfg)
     return world_size // stages
+
+
+def check_pipeline(cfg: DictConfig) -> None:
+    pipe, model = cfg.pipeline, cfg.model
+    _require(model.family in PIPELINE_FAMILIES,
+             f"pipeline={pipe.schedule} splits {' and '.join(PIPELINE_FAMILIES)} models, not model.family={model.family}: "
+             "choose pipeline=none")
+    virtual = pipe.virtual_stages
+    _require(isinstance(virtual, int) and virtual >= 1, "pipeline.virtual_stages must be an integer >= 1")
+    _require(pipe.schedule == "interleaved" or virtual == 1,
+             f"pipeline.virtual_stages={virtual} needs pipeline=interleaved (the other schedules hold one chunk per rank)")
+    _require(pipe.schedule != "interleaved" or virtual >= 2,
+             "pipeline=interleaved needs pipeline.virtual_stages >= 2 (model chunks per rank)")
+    chunks, layers = pipe.stages * virtual, model_shape(model)["n_layer"]
+    _require(chunks <= layers, f"pipeline.stages={pipe.stages} x pipeline.virtual_stages={virtual} = {chunks} pipeline stages "
+                               f"for a model of {layers} layers: every stage needs a transformer layer; lower pipeline.stages")
+    partition = str(pipe.partition)
+    _require(partition in ("parameters", "uniform") or partition.startswith("type:"),
+             f"pipeline.partition={partition} is not parameters, uniform or type:<layer class regex>")
+    if partition.startswith("type:"):
+        from lmrepo.models.pipe import layer_class_names
+
+        regex = partition.removeprefix("type:")
+        matched = sum(1 for name in layer_class_names(model.family, layers) if re.search(regex, name, re.IGNORECASE))
+        _require(matched >= chunks, f"pipeline.partition={partition} matches {matched} layers, fewer than the {chunks} "
+                                    f"pipeline stages: use type:{'GPT2Block' if model.family == 'gpt2' else 'BertLayer'}")
+    micro_batches = cfg.trainer.grad_accum or 1
+    if pipe.schedule in ("1f1b_torch", "interleaved"):
+        _require(micro_batches >= pipe.stages,
+                 f"pipeline={pipe.schedule} needs at least as many micro-batches as stages: trainer.grad_accum={micro_batches} "
+                 f"< pipeline.stages={pipe.stages}; raise trainer.grad_accum")
+    if pipe.schedule == "interleaved":
+        rounds = max(1, micro_batches // pipe.stages)
+        _require(micro_batches % rounds == 0,
+                 f"pipeline=interleaved needs trainer.grad_accum={micro_batches} to be a multiple of the "
+                 f"{rounds} rounds of {pipe.stages} micro-batches: use a multiple of pipeline.stages")
+    _require(not cfg.trainer.compile, f"trainer.compile=true is not supported with pipeline={pipe.schedule}: "
+                                      "set trainer.compile=false")
+
+
+def check_tensor_parallel(cfg: DictConfig, dp_size: int) -> int:
+    """tp=auto: world = tp.size x data-parallel ranks. Returns the data-parallel size. The model
+    is asked up front (on the meta device) whether DeepSpeed's AutoTP can shard it."""
+    tp = cfg.tp
+    _require(tp.mode in ("none", "auto"), f"tp.mode={tp.mode} is not none or auto: choose tp=none or tp=auto")
+    if tp.mode == "none":
+        _require(tp.size == 1, f"tp.size={tp.size} needs tp=auto: set tp=auto or tp.size=1")
+        return dp_size
+    _require(tp.size >= 2, f"tp.size={tp.size} must be >= 2 with tp=auto (or choose tp=none)")
+    _require(dp_size % tp.size == 0,
+             f"tp.size={tp.size} does not divide the {dp_size} rank(s) (world = tp.size x data-parallel ranks): "
+             "change tp.size or the rank count")
+    _require(cfg.pipeline.schedule == "none", "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none")
+    from lmrepo.estimate import meta_model
+    from lmrepo.tp import autotp_refusal
+
+    model = meta_model(cfg.model)
+    refusal = autotp_refusal(model)
+    _require(refusal is None, f"tp=auto: DeepSpeed's AutoTP refuses {type(model).__name__} (\"{refusal}\"): "
+                              "use tp=none (ZeRO shards its states instead) or a model=llama-* preset")
+    heads = {"attention heads": model.config.num_attention_heads,
+             "key/value heads": getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)}
+    for what, count in heads.items():
+        _require(count % tp.size == 0, f"tp.size={tp.size} does not divide the model's {count} {what}: change tp.size")
+    return dp_size // tp.size
 
 
 def check_deepspeed(ds: dict, cfg: DictConfig, device: Device) -> None:
@@ -161,8 +237,16 @@ def check_deepspeed(ds: dict, cfg: DictConfig, device: Device) -> None:
         for path in nvme_paths:
             check_nvme_path(path)
         check_libaio()
-    if cfg.pipeline.schedule != "none":
-        _require(stage <= 1, f"the DeepSpeed pipeline supports ZeRO stage 0 or 1, not {stage}: set zero=stage0 or stage1")
+    engine = PIPELINE_ENGINES.get(cfg.pipeline.schedule)
+    if engine == "deepspeed":
+        _require(stage <= 1, f"the DeepSpeed pipeline (pipeline={cfg.pipeline.schedule}) supports ZeRO stage 0 or 1, "
+                             f"not {stage}: set zero=stage0 or stage1")
+    if engine == "torch":
+        where = f"pipeline={cfg.pipeline.schedule} (torch.distributed.pipelining)"
+        _require(stage == 0, f"{where} supports ZeRO stage 0 only, not {stage}: set zero=stage0, "
+                             "or pipeline=1f1b for DeepSpeed's pipeline with ZeRO-1")
+        _require(optimizer_offload == "none", f"{where} does not offload: set offload=none, or pipeline=1f1b")
+        _require(not ds.get("fp16", {}).get("enabled"), f"{where} runs fp32 or bf16: set precision=bf16, or pipeline=1f1b for fp16")
 
 
 def check_nvme_path(path: str | None) -> None:
@@ -219,6 +303,7 @@ def validate(cfg: DictConfig, world_size: int, device: Device) -> tuple[dict, li
                  f"logger.name={cfg.logger.name} is not wandb, tensorboard, jsonl or none")
         _require(cfg.offload.target in ("none", "cpu", "nvme"), "offload.target must be none, cpu or nvme")
         dp_size = check_layout(cfg, world_size)
+        dp_size = check_tensor_parallel(cfg, dp_size)
         ds = build_ds_config(cfg, dp_size)
         changed = []
         if cfg.deepspeed_config:

@@ -83,6 +83,11 @@ def activation_checkpointing_section(checkpointing: DictConfig) -> dict:
     return {"activation_checkpointing": {k: checkpointing[k] for k in keys}}
 
 
+def tensor_parallel_section(tp: DictConfig) -> dict:
+    """tp=auto: DeepSpeed's AutoTP training shards the model's linears over tp.size ranks."""
+    return {"tensor_parallel": {"autotp_size": tp.size}} if tp.mode == "auto" else {}
+
+
 def build_ds_config(cfg: DictConfig, dp_size: int) -> dict:
     trainer = cfg.trainer
     global_batch, micro, accum = resolve_batch(
@@ -99,6 +104,7 @@ def build_ds_config(cfg: DictConfig, dp_size: int) -> dict:
         **precision_section(cfg.precision),
         "zero_optimization": zero_section(cfg.zero, cfg.offload),
         **activation_checkpointing_section(cfg.checkpointing),
+        **tensor_parallel_section(cfg.tp),
         # lmrepo logs its own metrics; DeepSpeed's periodic prints would interleave with them.
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,

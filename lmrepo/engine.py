@@ -1,4 +1,4 @@
-"""The process group and the DeepSpeed engine around a plain transformers model."""
+"""The process group and the DeepSpeed engine around a plain transformers model (or its pipeline layers)."""
 import os
 from pathlib import Path
 
@@ -6,10 +6,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.pipe import PipelineModule
 from transformers.integrations import HfDeepSpeedConfig
 
 from lmrepo.launch import ensure_single_process_env
-from lmrepo.models import build_model
+from lmrepo.models import build_model, pipe
 
 
 def init_distributed() -> None:
@@ -34,7 +35,22 @@ def data_parallel(engine) -> tuple[int, int]:
     grid = getattr(engine, "grid", None)  # a PipelineEngine's process topology
     if grid is not None:
         return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+    if getattr(engine, "autotp_size", lambda: 0)() > 1:  # AutoTP: one tensor-parallel group reads the same samples
+        return engine.mpu.get_data_parallel_rank(), engine.mpu.get_data_parallel_world_size()
     return dist.get_rank(), dist.get_world_size()
+
+
+def tensor_parallel_groups(ds_config: dict):
+    """AutoTP's process groups, made before deepspeed.initialize and handed to it as `mpu`:
+    without them DeepSpeed checks train_batch_size against the whole world, counting each
+    tensor-parallel rank as a data-parallel one."""
+    size = ds_config.get("tensor_parallel", {}).get("autotp_size", 0)
+    if size <= 1:
+        return None
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=size)
+    return groups
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -61,7 +77,27 @@ def enable_activation_checkpointing(model, checkpointing, ds_config: dict) -> No
                 module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
 
 
-def build_engine(model_cfg, checkpointing, ds_config: dict, compile: bool = False):
+def build_pipeline_engine(model_cfg, checkpointing, pipeline, ds_config: dict):
+    """GPT-2 / BERT split into pipeline layers (lmrepo.models.pipe). The whole transformers
+    model is built on every rank first (the same seeded weights as a non-pipelined run); each
+    rank then keeps only its stage's layers."""
+    net = build_model(model_cfg)
+    enable_activation_checkpointing(net, checkpointing, ds_config)  # the blocks checkpoint themselves
+    layers, loss = pipe.pipeline_layers(net, model_cfg.family), pipe.LMLoss(model_cfg.family, net.config.vocab_size)
+    if pipeline.engine == "torch":
+        from lmrepo.pipelining import build_torch_pipeline
+
+        return build_torch_pipeline(layers, loss, pipeline, ds_config)
+    module = PipelineModule(layers=layers, num_stages=pipeline.stages, loss_fn=loss,
+                            partition_method=pipeline.partition)  # type:GPT2Block also matches GPT2BlockPipe
+    weight_decay = ds_config["optimizer"]["params"].get("weight_decay", 0.0)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, weight_decay), config=ds_config)
+    return engine
+
+
+def build_engine(model_cfg, checkpointing, ds_config: dict, compile: bool = False, pipeline=None):
+    if pipeline is not None and pipeline.schedule != "none":
+        return build_pipeline_engine(model_cfg, checkpointing, pipeline, ds_config)
     zero3 = None
     if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
         # While this object lives, transformers builds (and loads) the model under
@@ -71,7 +107,8 @@ def build_engine(model_cfg, checkpointing, ds_config: dict, compile: bool = Fals
     model = build_model(model_cfg)
     enable_activation_checkpointing(model, checkpointing, ds_config)
     weight_decay = ds_config["optimizer"]["params"].get("weight_decay", 0.0)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay), config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay), config=ds_config,
+                                      mpu=tensor_parallel_groups(ds_config))
     if compile:
         engine.compile()  # in place: parameter names, hence checkpoints, are unchanged
     engine.zero3_hf_config = zero3  # keep alive for the engine's lifetime

@@ -61,13 +61,40 @@ def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def is_pipeline(engine) -> bool:
+    """DeepSpeed's PipelineEngine, or lmrepo's torch.distributed.pipelining engine."""
+    return bool(getattr(engine, "pipeline_parallelism", False))
+
+
+def _pipeline_inputs(batches: list[dict]):
+    # A pipeline feeds the first stage the inputs and the last stage the labels.
+    return iter([(batch["input_ids"], batch["labels"]) for batch in batches])
+
+
+def train_step(engine, batches: list[dict]) -> torch.Tensor:
+    """Forward and backward over the step's micro batches, then the optimizer step; returns the
+    mean loss of this rank's micro batches (a pipeline: of its replica's, on every stage)."""
+    if is_pipeline(engine):
+        return engine.train_batch(_pipeline_inputs(batches)).detach().float()
+    losses = []
+    for batch in batches:
+        loss = engine(**_to_device(batch, engine.device)).loss
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
+        losses.append(loss.detach().float())
+    return torch.stack(losses).mean()
+
+
 @torch.no_grad()
 def evaluate(engine, data) -> float:
     engine.eval()
-    losses = [engine(**_to_device(batch, engine.device)).loss.float() for batch in data.eval_batches()]
+    batches = data.eval_batches()
+    if is_pipeline(engine):
+        mean = engine.eval_batch(_pipeline_inputs(batches), num_micro_batches=len(batches)).float()
+    else:
+        mean = torch.stack([engine(**_to_device(batch, engine.device)).loss.float() for batch in batches]).mean()
     engine.train()
-    mean = torch.stack(losses).mean().cpu().reshape(1)
-    return (_sum_over_ranks(mean) / dist.get_world_size()).item()
+    return (_sum_over_ranks(mean.cpu().reshape(1)) / dist.get_world_size()).item()
 
 
 def loss_scale_record(engine) -> dict:
@@ -90,20 +117,14 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, state: TrainState,
         step_start = time.perf_counter()
         lr = engine.get_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
 
-        # forward / backward over the micro batches; DeepSpeed steps the optimizer at the boundary
-        micro_losses = []
-        for batch in data.train_step(state.consumed):
-            loss = engine(**_to_device(batch, engine.device)).loss
-            engine.backward(loss)
-            engine.step()
-            micro_losses.append(loss.detach().float())
+        loss = train_step(engine, data.train_step(state.consumed))
         state.step += 1
         state.consumed += data.layout.global_batch
         window_steps += 1
         window_seconds += time.perf_counter() - step_start
 
         # one all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop
-        flags = torch.tensor([torch.stack(micro_losses).mean().item(), float(stop is not None and stop.signal_name is not None)])
+        flags = torch.tensor([loss.item(), float(stop is not None and stop.signal_name is not None)])
         flags = _sum_over_ranks(flags)
         loss_value = flags[0].item() / dist.get_world_size()
         if not torch.isfinite(flags[0]):

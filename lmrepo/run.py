@@ -82,7 +82,7 @@ def train(cfg: DictConfig) -> dict:
         write_config_files(run_dir, cfg, ds_config)
         if user_changed:
             print(f"lmrepo: deepspeed_config={cfg.deepspeed_config} sets {', '.join(user_changed)}", flush=True)
-    engine = build_engine(cfg.model, cfg.checkpointing, ds_config, compile=cfg.trainer.compile)
+    engine = build_engine(cfg.model, cfg.checkpointing, ds_config, compile=cfg.trainer.compile, pipeline=cfg.pipeline)
     dp_rank, dp_size = data_parallel(engine)
     layout = Layout(global_batch=ds_config["train_batch_size"], micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                     dp_rank=dp_rank, dp_size=dp_size)

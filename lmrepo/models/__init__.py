@@ -3,9 +3,9 @@ from types import ModuleType
 
 from transformers import PreTrainedModel
 
-from lmrepo.models import bert, gpt2
+from lmrepo.models import bert, gpt2, llama
 
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert}
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "llama": llama}
 
 
 def build_model(model) -> PreTrainedModel:

@@ -1,0 +1,160 @@
+"""GPT-2 and BERT as a sequence of pipeline layers (seed 001's split: pre-process, blocks,
+post-process), built around the modules of an ordinary transformers model.
+
+The layers wrap the transformers model's own modules, so a pipelined run starts from exactly
+the weights a non-pipelined run with the same seed starts from, computes the same function,
+and its checkpoints map back to the transformers parameter names (`hf_names`). The input and
+output embeddings are one tied layer ("embed"): DeepSpeed keeps a copy on the first and the
+last stage and all-reduces their gradients (TiedLayerSpec).
+
+Every layer takes and returns one tensor: the pipeline sends it from stage to stage.
+"""
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+from transformers.masking_utils import create_causal_mask
+
+
+# --- GPT-2 ---------------------------------------------------------------------------------
+
+class GPT2EmbeddingPipe(nn.Module):
+    def __init__(self, transformer):
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+def gpt2_logits(embedding: GPT2EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head: the (tied) token embedding matrix, as GPT2LMHeadModel's lm_head."""
+    return F.linear(hidden, embedding.wte.weight)
+
+
+class GPT2BlockPipe(nn.Module):
+    def __init__(self, block, config):
+        super().__init__()
+        self.block, self.config = block, config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # The mask GPT2Model builds for an unpadded block (None under SDPA: is_causal does it).
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=positions)
+        return self.block(hidden, None, mask, position_ids=positions)
+
+
+class NormPipe(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+def gpt2_layers(net) -> list:
+    t = net.transformer
+    return [TiedLayerSpec("embed", GPT2EmbeddingPipe, t, tied_weight_attr="wte.weight"),
+            *[LayerSpec(GPT2BlockPipe, block, net.config) for block in t.h],
+            LayerSpec(NormPipe, t.ln_f),
+            TiedLayerSpec("embed", GPT2EmbeddingPipe, t, forward_fn=gpt2_logits, tied_weight_attr="wte.weight")]
+
+
+# --- BERT ----------------------------------------------------------------------------------
+
+class BertEmbeddingPipe(nn.Module):
+    def __init__(self, embeddings):
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids=input_ids)
+
+
+def bert_logits(embedding: BertEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The MLM decoder: the (tied) word embedding matrix; its bias is the next layer."""
+    return F.linear(hidden, embedding.embeddings.word_embeddings.weight)
+
+
+class BertLayerPipe(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Packed blocks have no padding: BertModel's bidirectional mask is None for them too.
+        return self.layer(hidden, None)
+
+
+class BertHeadTransformPipe(nn.Module):
+    def __init__(self, transform):
+        super().__init__()
+        self.transform = transform
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.transform(hidden)
+
+
+class BiasPipe(nn.Module):
+    def __init__(self, bias: nn.Parameter):
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits + self.bias
+
+
+def bert_layers(net) -> list:
+    embeddings, predictions = net.bert.embeddings, net.cls.predictions
+    return [TiedLayerSpec("embed", BertEmbeddingPipe, embeddings, tied_weight_attr="embeddings.word_embeddings.weight"),
+            *[LayerSpec(BertLayerPipe, layer) for layer in net.bert.encoder.layer],
+            LayerSpec(BertHeadTransformPipe, predictions.transform),
+            TiedLayerSpec("embed", BertEmbeddingPipe, embeddings, forward_fn=bert_logits,
+                          tied_weight_attr="embeddings.word_embeddings.weight"),
+            LayerSpec(BiasPipe, predictions.decoder.bias)]
+
+
+# --- both ----------------------------------------------------------------------------------
+
+LAYERS = {"gpt2": gpt2_layers, "bert": bert_layers}
+BLOCK_CLASS = {"gpt2": GPT2BlockPipe, "bert": BertLayerPipe}
+
+
+class LMLoss:
+    """transformers' own loss functions (shifted for GPT-2), so both paths compute the same loss."""
+
+    def __init__(self, family: str, vocab_size: int):
+        self.function = ForCausalLMLoss if family == "gpt2" else ForMaskedLMLoss
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.function(logits, labels, self.vocab_size)
+
+
+def pipeline_layers(net, family: str) -> list:
+    return LAYERS[family](net)
+
+
+def hf_names(net, family: str) -> dict[int, dict[str, str]]:
+    """For each layer index that owns parameters: {name in the layer's state_dict: name in the
+    transformers model}. Tied copies (forward_fn) own nothing of their own."""
+    canonical = {id(p): name for name, p in net.named_parameters()}  # named_parameters lists a tied one once
+    names = {}
+    for index, spec in enumerate(pipeline_layers(net, family)):
+        if getattr(spec, "forward_fn", None) is not None:
+            continue
+        layer = spec.build()
+        names[index] = {name: canonical[id(p)] for name, p in layer.named_parameters()}
+    return names
+
+
+def layer_class_names(family: str, n_layer: int) -> list[str]:
+    """The class name of every pipeline layer, in order, without building a model (for checks)."""
+    if family == "gpt2":
+        return ["GPT2EmbeddingPipe", *["GPT2BlockPipe"] * n_layer, "NormPipe", "GPT2EmbeddingPipe"]
+    return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "BertHeadTransformPipe", "BertEmbeddingPipe", "BiasPipe"]
+
