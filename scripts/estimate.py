@@ -217,6 +217,9 @@ def main(argv: list[str]) -> None:
     print(f"  exact (transformers, tied embedding once)      {params:>16,}")
     print(f"  seed 003: 12lh^2(1 + 13/12h + (V+s)/12lh)      {formula:>16,.0f}   ({formula - params:+,.0f}; l={l} "
           f"h={h} V={job.shape['vocab_size']} s={job.shape['n_positions']})")
+    if cfg.model.family == "llama":
+        print("  (seed 003's formula and the FLOPs below are GPT-2's; Llama's SwiGLU MLP (3 n_embd x n_inner "
+              "matrices), untied output embedding and rotary positions do not follow them: trust the exact count)")
     print(f"  largest module (ZeRO-3 gathers it whole)       {largest:>16,}")
     print_model_states(job, params, largest)
     print_activations(job, checkpointed)
