@@ -1,0 +1,325 @@
+"""PyTorch's own pipeline schedules (torch.distributed.pipelining: ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B) behind the interface of DeepSpeed's PipelineEngine, so that loop.py,
+run.py and checkpoint.py drive `pipeline=gpipe | 1f1b_torch | interleaved` exactly as they
+drive `pipeline=1f1b`, and one sweep compares the schedules of seed 001 on one model.
+
+What DeepSpeed's engine would do around the schedule is done here, with DeepSpeed's own parts
+wherever they exist, so both paths train the same model the same way:
+- ranks: DeepSpeed's PipelineParallelGrid (pipe-major: stage s, replica d = rank s * dp + d);
+- the split: DeepSpeed's partition helpers over the same layer list (`partition`), chunk c
+  on pipeline rank c % stages (torch's round-robin: interleaved ranks hold virtual_stages chunks);
+- the step: gradients averaged over the micro-batches (the schedule's scale_grads) and the
+  data-parallel replicas, the tied embedding's gradient summed between its first- and
+  last-stage copies, the global gradient norm clipped (the tied weight counted once, as in
+  the unsplit model), torch AdamW with lmrepo's parameter groups, DeepSpeed's LR scheduler class;
+- precision: fp32, or bf16 as torch.autocast (fp32 weights, gradients and optimizer state;
+  matmuls in bf16). DeepSpeed's bf16 keeps bf16 weights with fp32 masters instead: the two agree
+  to bf16 rounding, not bit for bit;
+- checkpoints: DeepSpeed's pipeline layout (layer_XX-model_states.pt per layer, the client state
+  in mp_rank_00_model_states.pt) plus torch_pipe_rank_XXXXX_optim_states.pt per rank.
+ZeRO, offload and fp16 are not supported (config.check_deepspeed refuses them up front).
+"""
+from pathlib import Path
+from types import SimpleNamespace
+
+import deepspeed.runtime.lr_schedules as lr_schedules
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleLoopedBFS)
+
+from lmrepo.engine import param_groups
+from lmrepo.errors import ConfigError
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b_torch": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+# --- the split -----------------------------------------------------------------------------
+
+def partition(layers: list, parts: int, method: str) -> list[int]:
+    """Chunk boundaries (parts + 1 layer indices), computed as PipelineModule._partition_layers
+    does, with its own layer weights, so a torch pipeline splits the model where DeepSpeed's would."""
+    method = method.lower()
+    specs = SimpleNamespace(_layer_specs=layers)
+    if method == "uniform":
+        return partition_uniform(num_items=len(layers), num_parts=parts)
+    if method == "parameters":
+        weights = PipelineModule._count_layer_params(specs)
+    elif method.startswith("type:"):
+        weights = [0] * len(layers)
+        for index in PipelineModule._find_layer_type(specs, method.split(":", 1)[1]):
+            weights[index] = 1
+    else:
+        raise ConfigError(f"pipeline.partition={method} is not parameters, uniform or type:<layer class regex>")
+    return partition_balanced(weights=weights, num_parts=parts)
+
+
+def is_tied_copy(spec) -> bool:
+    """A TiedLayerSpec that computes with forward_fn (the LM head): it reuses the module of the
+    key's first layer and owns nothing of its own, so it has no checkpoint file (as DeepSpeed)."""
+    return getattr(spec, "forward_fn", None) is not None
+
+
+def tied_owner(layers: list, index: int) -> int:
+    """The layer whose parameters layer `index` holds: its key's first layer for a tied copy."""
+    if not is_tied_copy(layers[index]):
+        return index
+    return next(i for i, spec in enumerate(layers) if getattr(spec, "key", None) == layers[index].key)
+
+
+class TiedForward(nn.Module):
+    def __init__(self, module: nn.Module, forward_fn):
+        super().__init__()
+        self.module, self.forward_fn = module, forward_fn
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.forward_fn(self.module, hidden)
+
+
+class Chunk(nn.Module):
+    """Consecutive pipeline layers: one torch pipeline stage."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(index): layer for index, layer in layers.items()})
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            hidden = layer(hidden)
+        return hidden
+
+
+def build_layer(spec) -> nn.Module:
+    module = spec.build()
+    return TiedForward(module, spec.forward_fn) if is_tied_copy(spec) else module
+
+
+def print_split(layers: list, parts: list[int], stages: int, schedule: str, micro_batches: int) -> None:
+    """What DeepSpeed prints for its pipeline, plus the pipeline rank of each chunk."""
+    print(f"torch.distributed.pipelining {SCHEDULES[schedule].__name__}: {len(parts) - 1} stages on {stages} "
+          f"pipeline ranks, {micro_batches} micro-batches per step")
+    for chunk in range(len(parts) - 1):
+        start, stop = parts[chunk], parts[chunk + 1]
+        print(f"stage={chunk} rank={chunk % stages} layers={stop - start}")
+        for index in range(start, stop):
+            print(f"    {index:2d}: {layers[index].typename.__name__}")
+
+
+# --- the engine ----------------------------------------------------------------------------
+
+class TorchPipelineEngine:
+    """The subset of DeepSpeed's PipelineEngine that lmrepo drives (train_batch, eval_batch,
+    get_lr, checkpoints, grid), over a torch.distributed.pipelining schedule."""
+
+    pipeline_parallelism = True
+    skipped_steps = 0
+
+    def __init__(self, layers: list, loss, pipeline, ds_config: dict):
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.stages, virtual = pipeline.stages, pipeline.virtual_stages
+        world = dist.get_world_size()
+        self.grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=self.stages, num_dp=world // self.stages))
+        self.stage_id, self.dp = self.grid.get_stage_id(), self.grid.get_data_parallel_world_size()
+        self.micro_batches = ds_config["gradient_accumulation_steps"]
+        self.loss, self.layer_specs, self.schedule_name = loss, layers, pipeline.schedule
+        self.parts = partition(layers, self.stages * virtual, str(pipeline.partition))
+        if dist.get_rank() == 0:
+            print_split(layers, self.parts, self.stages, pipeline.schedule, self.micro_batches)
+
+        # This rank's chunks: c = stage_id, stage_id + stages, ... (torch's round-robin placement).
+        self.chunk_ids = list(range(self.stage_id, self.stages * virtual, self.stages))
+        self.chunks = nn.ModuleList(
+            Chunk({i: build_layer(layers[i]) for i in range(self.parts[c], self.parts[c + 1])}) for c in self.chunk_ids)
+        self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
+        self.schedule = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
+        self.eval_schedules = {}  # micro-batch count -> a forward-only schedule over stages of its own
+
+        self.tied = self._tied_groups()
+        optimizer = ds_config["optimizer"]["params"]
+        self.optimizer = torch.optim.AdamW(param_groups(self.chunks, optimizer.get("weight_decay", 0.0)),
+                                           lr=optimizer["lr"], betas=tuple(optimizer.get("betas", (0.9, 0.999))),
+                                           eps=optimizer.get("eps", 1e-8))
+        scheduler = ds_config.get("scheduler")
+        self.lr_scheduler = (getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler.get("params", {}))
+                             if scheduler else None)
+        self.gradient_clipping = ds_config.get("gradient_clipping", 0.0)
+        self.bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+        self.global_steps = 0
+
+    # --- pieces of __init__
+
+    def _schedule(self, schedule_class, micro_batches: int):
+        stages = [PipelineStage(chunk, c, len(self.parts) - 1, self.device, group=self.grid.pp_proc_group)
+                  for c, chunk in zip(self.chunk_ids, self.chunks)]
+        if schedule_class in (ScheduleGPipe, Schedule1F1B):
+            return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=self.loss)
+        return schedule_class(stages, n_microbatches=micro_batches, loss_fn=self.loss)
+
+    def _tied_groups(self) -> list[tuple]:
+        """(process group, this rank's tied parameter, counted in the norm here) for each tied
+        weight this rank holds; every rank creates every group, in the same order (new_group needs that)."""
+        keys = sorted({spec.key for spec in self.layer_specs if hasattr(spec, "key")})
+        tied = []
+        for key in keys:
+            indices = [i for i, spec in enumerate(self.layer_specs) if getattr(spec, "key", None) == key]
+            holders = sorted({self._chunk_of(i) % self.stages for i in indices})
+            if len(holders) < 2:
+                continue  # one rank holds every copy: they are one parameter
+            for replica in range(self.dp):
+                ranks = [self.grid.topology().get_rank(pipe=s, data=replica) for s in holders]
+                group = dist.new_group(ranks=ranks)
+                if dist.get_rank() in ranks:
+                    index = next(i for i in indices if i in self.layers)
+                    module = self.layers[index].module if is_tied_copy(self.layer_specs[index]) else self.layers[index]
+                    owner = self._chunk_of(indices[0]) % self.stages == self.stage_id
+                    tied += [(group, PipelineModule._recursive_getattr(module, attr), owner)
+                             for attr in self.layer_specs[index].tied_weight_attr]
+        return tied
+
+    def _chunk_of(self, index: int) -> int:
+        return next(c for c in range(len(self.parts) - 1) if self.parts[c] <= index < self.parts[c + 1])
+
+    # --- what the loop calls
+
+    def train(self):
+        self.chunks.train()
+
+    def eval(self):
+        self.chunks.eval()
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+    def _run(self, schedule, data_iter, micro_batches: int, train: bool) -> torch.Tensor:
+        """One pass of `schedule` over `micro_batches` (inputs, labels) pairs; the mean loss of the
+        micro-batches on the last stage, averaged over the replicas and sent to every stage."""
+        pairs = [next(data_iter) for _ in range(micro_batches)]
+        inputs = torch.cat([p[0] for p in pairs]).to(self.device)
+        labels = torch.cat([p[1] for p in pairs]).to(self.device)
+        first, last = 0 in self.chunk_ids, len(self.parts) - 2 in self.chunk_ids
+        args = (inputs,) if first else ()
+        losses = []
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            run = schedule.step if train else schedule.eval
+            run(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
+        loss = torch.stack(losses).detach().float().mean() if last else torch.zeros((), device=self.device)
+        if last and self.dp > 1:
+            dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+            loss /= self.dp
+        dist.broadcast(loss, src=self.grid.stage_to_global(self.stages - 1), group=self.grid.pp_proc_group)
+        return loss
+
+    def train_batch(self, data_iter) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._run(self.schedule, data_iter, self.micro_batches, train=True)  # grads: mean over micro-batches
+        self._reduce_gradients()
+        if self.gradient_clipping > 0:
+            self._clip_gradients(self.gradient_clipping)
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        return loss
+
+    def eval_batch(self, data_iter, num_micro_batches: int) -> torch.Tensor:
+        if num_micro_batches not in self.eval_schedules:
+            # Stages of its own: a stage's buffers are sized for one schedule's micro-batch count.
+            # Forward only, so any schedule of the right kind will do; LoopedBFS takes any count.
+            kind = ScheduleGPipe if len(self.chunk_ids) == 1 else ScheduleLoopedBFS
+            self.eval_schedules[num_micro_batches] = self._schedule(kind, num_micro_batches)
+        with torch.no_grad():
+            return self._run(self.eval_schedules[num_micro_batches], data_iter, num_micro_batches, train=False)
+
+    # --- the step's collectives
+
+    def _gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.chunks.parameters() if p.grad is not None]
+
+    def _reduce_gradients(self) -> None:
+        # The first and last stage hold copies of the tied embedding: each copy gets the sum of
+        # both gradients (the gradient of the one matrix of the unsplit model).
+        for group, param, _ in self.tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
+        if self.dp > 1:
+            grads = self._gradients()
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
+            flat /= self.dp
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(reduced)
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """The global norm over the whole model (every stage), each tied matrix counted once; the
+        coefficient of torch's and DeepSpeed's clip_grad_norm_."""
+        copies = {id(param) for _, param, owner in self.tied if not owner}
+        squares = [p.grad.detach().float().pow(2).sum() for p in self.chunks.parameters()
+                   if p.grad is not None and id(p) not in copies]
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        dist.all_reduce(total, group=self.grid.pp_proc_group)
+        coefficient = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
+        for grad in self._gradients():
+            grad.mul_(coefficient)
+
+    # --- checkpoints (DeepSpeed's pipeline layout)
+
+    def _saved_layers(self):
+        """(global index, module) of each layer this rank writes: not the tied copies."""
+        return [(i, layer) for i, layer in self.layers.items() if not is_tied_copy(self.layer_specs[i])]
+
+    def save_checkpoint(self, save_dir, tag, client_state=None, save_latest=False) -> bool:
+        directory = Path(save_dir, str(tag))
+        directory.mkdir(parents=True, exist_ok=True)
+        rank = dist.get_rank()
+        if rank == 0:
+            torch.save({"module": None, "global_steps": self.global_steps, "dp_world_size": self.dp,
+                        "mp_world_size": self.stages, "torch_pipeline_parts": self.parts, **(client_state or {})},
+                       directory / "mp_rank_00_model_states.pt")
+        if self.grid.get_data_parallel_rank() == 0:  # the replicas hold the same weights
+            for index, layer in self._saved_layers():
+                torch.save(layer.state_dict(), directory / f"layer_{index:02d}-model_states.pt")
+        torch.save({"stage": self.stage_id, "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
+                   directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt")
+        dist.barrier()
+        if save_latest and rank == 0:
+            Path(save_dir, "latest").write_text(str(tag))
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, **_) -> tuple[str | None, dict | None]:
+        if tag is None:
+            tag = Path(load_dir, "latest").read_text().strip()
+        directory = Path(load_dir, str(tag))
+        states = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        if states.get("mp_world_size") != self.stages or states.get("torch_pipeline_parts") != self.parts:
+            raise ConfigError(f"{directory} was saved by another pipeline split ({states.get('mp_world_size')} stages, "
+                              f"layer boundaries {states.get('torch_pipeline_parts')}; this run: {self.stages} stages, "
+                              f"{self.parts}): resume with the same pipeline.stages, virtual_stages and partition")
+        for index, layer in self.layers.items():
+            owner = tied_owner(self.layer_specs, index)
+            target = layer.module if is_tied_copy(self.layer_specs[index]) else layer
+            target.load_state_dict(torch.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device))
+        # The replicas' optimizer states are equal: replica 0's file of this stage serves any data-parallel size.
+        saved_rank = self.stage_id * states["dp_world_size"]
+        optim = torch.load(directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device,
+                           weights_only=False)
+        self.optimizer.load_state_dict(optim["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
+        self.global_steps = states["global_steps"]
+        engine_keys = {"module", "global_steps", "dp_world_size", "mp_world_size", "torch_pipeline_parts"}
+        return str(directory), {k: v for k, v in states.items() if k not in engine_keys}
+
+
+def build_torch_pipeline(layers: list, loss, pipeline, ds_config: dict) -> TorchPipelineEngine:
+    return TorchPipelineEngine(layers, loss, pipeline, ds_config)
