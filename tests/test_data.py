@@ -11,6 +11,7 @@ import torch
 
 from conftest import PYTHON, REPO, compose_config
 from lmrepo.data.batches import MixtureOrder, SampleOrder, eval_indices
+from lmrepo.data.corpus import read_pieces, shakespeare_files
 from lmrepo.data.loader import Layout, LMData, MaskedInputs
 from lmrepo.data.prepare import load_meta, open_tokens, prepare, prepare_sources
 from lmrepo.errors import ConfigError
@@ -149,6 +150,33 @@ def test_json_round_trip(tmp_path, gpt2):
     path.write_text('{"body": "one"}\n{"body": "two"}\n')
     token_dir = prepare(data_cfg(tmp_path, [path], "json", "data.text_field=body", "data.num_proc=1"), gpt2)
     assert decoded(gpt2, token_dir) == "one<|endoftext|>two<|endoftext|>"
+
+
+def test_a_document_read_in_pieces_tokenizes_as_a_whole(gpt2, bert):
+    """Text files are read in bounded pieces (one huge file never sits in memory); cut at word
+    boundaries, the pieces' tokens are the whole document's (a Shakespeare play, ~2,000-char pieces)."""
+    play = shakespeare_files()[0]
+    text = Path(play).read_text()
+    pieces = list(read_pieces([play], piece_chars=2000))
+    assert len(pieces) > 50 and "".join(p["text"] for p in pieces) == text
+    assert [(p["start"], p["end"]) for p in pieces] == [(True, False), *[(False, False)] * (len(pieces) - 2), (False, True)]
+    for tokenizer in (gpt2, bert):
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert [i for p in pieces for i in tokenizer(p["text"], add_special_tokens=False)["input_ids"]] == whole
+
+
+def test_prepare_joins_the_pieces_of_each_document(tmp_path, gpt2, monkeypatch):
+    """Small pieces spread each document over both tokenizer processes: one EOS per document, after
+    its last piece; a line longer than the pieces is cut inside and still round-trips."""
+    import lmrepo.data.corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "PIECE_CHARS", 2000)
+    docs = [Path(shakespeare_files()[0]).read_text(), "one line without a break " * 400, "short\n"]
+    token_dir = prepare(data_cfg(tmp_path, write_corpus(tmp_path / "corpus", docs), "text", "data.num_proc=2"), gpt2)
+    assert load_meta(token_dir)["documents"] == 3
+    assert decoded(gpt2, token_dir) == "".join(doc + "<|endoftext|>" for doc in docs)
+    first = gpt2(docs[0], add_special_tokens=False)["input_ids"] + [gpt2.eos_token_id]
+    assert stored_ids(token_dir)[:len(first)] == first
 
 
 # --- SampleOrder -----------------------------------------------------------------------------

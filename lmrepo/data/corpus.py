@@ -1,4 +1,4 @@
-"""Documents from each `data` option, as a `datasets.Dataset` with one `text` column."""
+"""Documents from each `data` option, as a `datasets.Dataset` with a `text` column."""
 import glob
 from pathlib import Path
 
@@ -39,12 +39,23 @@ def source_files(data) -> list[str]:
     return []
 
 
-def load_documents(data) -> datasets.Dataset:
+# A document of text files is cut into pieces of about this many characters, so that no file,
+# however large, is held in memory whole (a piece is one row of the documents' Arrow file).
+PIECE_CHARS = 256 << 10
+
+
+def load_documents(data, workdir: Path) -> datasets.Dataset:
+    """The documents, one per row. Text files (shakespeare, text) are streamed into Arrow files
+    under `workdir` in pieces (`start`/`end` columns mark a document's first and last piece)."""
     files = source_files(data)
     if data.source in ("shakespeare", "text"):
         for f in files:
             check_utf8(f)
-        return datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
+        features = datasets.Features({"text": datasets.Value("string"), "start": datasets.Value("bool"),
+                                      "end": datasets.Value("bool")})
+        # writer_batch_size: pieces are flushed to disk a few at a time, not a thousand.
+        return datasets.Dataset.from_generator(read_pieces, features=features, cache_dir=str(workdir),
+                                               gen_kwargs={"files": files, "piece_chars": PIECE_CHARS}, writer_batch_size=4)
     if data.source == "json":
         try:
             docs = datasets.load_dataset("json", data_files=files, split="train")
@@ -54,6 +65,28 @@ def load_documents(data) -> datasets.Dataset:
     if data.source == "hf":
         return load_hub_dataset(data)
     raise ConfigError(f"data.source={data.source} is not shakespeare, text, json or hf")
+
+
+def read_pieces(files: list[str], piece_chars: int):
+    """Yields each file as one document in pieces of about `piece_chars` characters, read line by
+    line (universal newlines, as datasets' text loader). A piece ends after a line whose text
+    ends in a non-space character and before a line that starts with one: a word boundary for
+    GPT-2's and BERT's pre-tokenizers (a run of blank lines is not: GPT-2 joins it into one
+    token), so the pieces tokenize to exactly the document's tokens. Only text without such a
+    boundary for twice `piece_chars` (one huge line, a long indented block) is cut elsewhere: the
+    tokens at that cut may differ from one pass over the document, the text never does."""
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            lines, size, start = [], 0, True
+            while line := f.readline(piece_chars):
+                last = lines[-1] if lines else ""
+                clean = last[-2:-1].strip() and last.endswith("\n") and not line[:1].isspace()
+                if size >= piece_chars and (clean or size >= 2 * piece_chars):
+                    yield {"text": "".join(lines), "start": start, "end": False}
+                    lines, size, start = [], 0, False
+                lines.append(line)
+                size += len(line)
+            yield {"text": "".join(lines), "start": start, "end": True}
 
 
 def check_utf8(path: str) -> None:

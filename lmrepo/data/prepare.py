@@ -10,16 +10,19 @@ that data option would be (so a source shared by a plain run and a mixture is to
 training draws from them by weight (batches.MixtureOrder).
 """
 import hashlib
+import itertools
 import json
 import math
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pyarrow.compute as pc
 from filelock import FileLock
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from tokenizers import Tokenizer
 
 from lmrepo.data.batches import MIXTURE_PERIOD
 from lmrepo.data.corpus import load_documents, source_files
@@ -86,49 +89,95 @@ def prepare(data, tokenizer) -> Path:
     return out
 
 
+# Text per tokenizer call: enough that the call's fixed cost vanishes, little enough that a
+# worker's encodings stay small (the Rust encodings take ~80 bytes per token, ~4 characters).
+BATCH_CHARS = 1 << 20
+
+
 def build(data, tokenizer, out: Path) -> None:
-    docs = load_documents(data)
-    sep = separator_id(tokenizer)
-    vocab = len(tokenizer)
-    dtype = token_dtype(id_bound(tokenizer))
-
-    def encode(batch):
-        ids = [doc + [sep] for doc in tokenizer(batch["text"], add_special_tokens=False)["input_ids"] if doc]
-        return {"ids": ids, "n": [len(doc) for doc in ids]}
-
-    # Batched map over documents; each worker process runs the fast (Rust) tokenizer. A batch's
-    # token lists are what a worker holds at once: a few documents keep memory flat in corpus size.
-    tokens = docs.map(encode, batched=True, batch_size=16, remove_columns=docs.column_names,
-                      num_proc=min(data.num_proc, len(docs)) if len(docs) > 1 else None, desc="tokenizing")
-    total = int(np.sum(tokens["n"], dtype=np.int64)) if len(tokens) else 0
-    if total == 0:
-        raise ConfigError(f"data={data.source}: the corpus has no text: check data.paths")
-    n_val = max(1, int(total * data.val_fraction))
-    name = tokenizer.name_or_path or type(tokenizer).__name__
+    """Tokenizes into <out>.tmp, renamed to <out> when complete. The documents and their token
+    ids pass through Arrow files on disk (<out>.tmp/work, deleted at the end), a batch at a
+    time: memory does not grow with the corpus."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        write_stream(tokens, tmp, dtype, total - n_val, n_val, name)
+        meta = tokenize(data, tokenizer, tmp, out.name)
+        shutil.rmtree(tmp / "work")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    meta = {"format": FORMAT_VERSION, "tokenizer": name, "tokenizer_id": tokenizer_identity(tokenizer),
-            "vocab_size": vocab, "dtype": np.dtype(dtype).name, "separator_id": sep, "documents": len(tokens),
-            "train_tokens": total - n_val, "val_tokens": n_val, "source": data.source}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
 
+def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
+    """Writes train.bin and val.bin into `directory`; returns their metadata. `name` (the token
+    directory's, which carries the fingerprint) spares datasets from hashing the tokenizer."""
+    work = directory / "work"
+    docs = load_documents(data, work)
+    sep = separator_id(tokenizer)
+    dtype = token_dtype(id_bound(tokenizer))
+    # Each worker process runs the Rust tokenizer itself on whole batches of documents and returns a
+    # batch as one array of ids (EOS-joined): no per-token Python work beyond reading its id lists.
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()  # a copy: padding or truncation set by an earlier call must not apply here
+    backend.no_truncation()
+    tokens = docs.map(encode, batched=True, batch_size=batch_rows(docs), fn_kwargs={"backend": backend, "sep": sep},
+                      remove_columns=docs.column_names, features=ENCODED, writer_batch_size=1,
+                      num_proc=min(data.num_proc, len(docs)) if len(docs) > 1 else None,
+                      cache_file_name=str(work / "tokens.arrow"), new_fingerprint=name, desc="tokenizing")
+    total = pc.sum(pc.list_value_length(tokens.data.column("ids"))).as_py() or 0
+    if total == 0:
+        raise ConfigError(f"data={data.source}: the corpus has no text: check data.paths")
+    n_val = max(1, int(total * data.val_fraction))
+    tokenizer_name = tokenizer.name_or_path or type(tokenizer).__name__
+    write_stream(tokens, directory, dtype, total - n_val, n_val, tokenizer_name)
+    return {"format": FORMAT_VERSION, "tokenizer": tokenizer_name, "tokenizer_id": tokenizer_identity(tokenizer),
+            "vocab_size": len(tokenizer), "dtype": np.dtype(dtype).name, "separator_id": sep,
+            "documents": pc.sum(tokens.data.column("documents")).as_py(), "train_tokens": total - n_val,
+            "val_tokens": n_val, "source": data.source}
+
+
+# One row per batch: its ids, and how many documents they hold (an empty document adds no EOS).
+# uint32 here; write_stream checks each id against the token file's dtype.
+ENCODED = datasets.Features({"ids": datasets.List(datasets.Value("uint32")), "documents": datasets.Value("int64")})
+
+
+def encode(batch: dict, backend: Tokenizer, sep: int) -> dict:
+    texts = batch["text"]
+    # text files arrive in pieces (corpus.read_pieces): EOS after a document's last piece only
+    starts, ends = batch.get("start", [True] * len(texts)), batch.get("end", [True] * len(texts))
+    # encode_batch_fast: the ids without character offsets, which we would throw away
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    pieces, documents = [], 0
+    for encoding, start, end in zip(encodings, starts, ends):
+        piece = encoding.ids
+        pieces.append(piece)
+        if end and (piece or not start):
+            pieces.append([sep])
+            documents += 1
+    count = sum(map(len, pieces))
+    return {"ids": [np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.uint32, count=count)],
+            "documents": [documents]}
+
+
+def batch_rows(docs) -> int:
+    """Rows per tokenizer call for about BATCH_CHARS of text, from the mean row size (the text
+    column's offsets: nothing is read)."""
+    size = pc.sum(pc.binary_length(docs.data.column("text"))).as_py() or 0
+    return int(np.clip(BATCH_CHARS * len(docs) // max(size, 1), 1, 1000))
+
+
 def write_stream(tokens, directory: Path, dtype, n_train: int, n_val: int, tokenizer_name: str) -> None:
-    """Streams the tokenized documents into train.bin then val.bin: memory stays flat in corpus
-    size (a few documents at a time, as Arrow arrays, never as Python lists)."""
+    """Streams the tokenized batches into train.bin then val.bin, one batch (an Arrow array
+    memory-mapped from disk) at a time."""
     train = np.memmap(directory / "train.bin", dtype=dtype, mode="w+", shape=(n_train,))
     val = np.memmap(directory / "val.bin", dtype=dtype, mode="w+", shape=(n_val,))
     limit = np.iinfo(dtype).max
     offset = 0
-    for table in tokens.with_format("arrow").iter(batch_size=16):
+    for table in tokens.with_format("arrow").iter(batch_size=1):
         ids = pc.list_flatten(table.column("ids")).to_numpy()
         if len(ids) and ids.max() > limit:
             raise ConfigError(f"tokenizer {tokenizer_name} produced token id {ids.max()}, which does not fit the "
