@@ -68,25 +68,34 @@ def load_documents(data, workdir: Path) -> datasets.Dataset:
 
 
 def read_pieces(files: list[str], piece_chars: int):
-    """Yields each file as one document in pieces of about `piece_chars` characters, read line by
-    line (universal newlines, as datasets' text loader). A piece ends after a line whose text
-    ends in a non-space character and before a line that starts with one: a word boundary for
-    GPT-2's and BERT's pre-tokenizers (a run of blank lines is not: GPT-2 joins it into one
-    token), so the pieces tokenize to exactly the document's tokens. Only text without such a
-    boundary for twice `piece_chars` (one huge line, a long indented block) is cut elsewhere: the
-    tokens at that cut may differ from one pass over the document, the text never does."""
+    """Yields each file as one document in pieces of up to a few times `piece_chars` characters
+    (universal newlines, as datasets' text loader). A piece ends after a line whose text ends in a
+    non-space character and before a line that starts with one: a word boundary for GPT-2's and
+    BERT's pre-tokenizers (a run of blank lines is not: GPT-2 joins it into one token), so the
+    pieces tokenize to exactly the document's tokens. Only text without such a boundary for twice
+    `piece_chars` (one huge line, a long indented block) is cut elsewhere: the tokens at that cut
+    may differ from one pass over the document, the text never does."""
     for path in files:
         with open(path, encoding="utf-8") as f:
-            lines, size, start = [], 0, True
-            while line := f.readline(piece_chars):
-                last = lines[-1] if lines else ""
-                clean = last[-2:-1].strip() and last.endswith("\n") and not line[:1].isspace()
-                if size >= piece_chars and (clean or size >= 2 * piece_chars):
-                    yield {"text": "".join(lines), "start": start, "end": False}
-                    lines, size, start = [], 0, False
-                lines.append(line)
-                size += len(line)
-            yield {"text": "".join(lines), "start": start, "end": True}
+            text, start = "", True
+            while block := f.read(piece_chars):
+                text += block
+                if len(text) < piece_chars:
+                    continue
+                cut = last_boundary(text) or (len(text) if len(text) >= 2 * piece_chars else 0)
+                if cut:
+                    yield {"text": text[:cut], "start": start, "end": False}
+                    text, start = text[cut:], False
+            yield {"text": text, "start": start, "end": True}
+
+
+def last_boundary(text: str) -> int:
+    """The last position that follows "<non-space>\n" and precedes a non-space character, or 0."""
+    cut = len(text) - 1
+    while (cut := text.rfind("\n", 0, cut)) > 0:
+        if not text[cut - 1].isspace() and not text[cut + 1].isspace():
+            return cut + 1
+    return 0
 
 
 def check_utf8(path: str) -> None:

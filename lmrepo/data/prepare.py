@@ -121,9 +121,11 @@ def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
     dtype = token_dtype(id_bound(tokenizer))
     # Each worker process runs the Rust tokenizer itself on whole batches of documents and returns a
     # batch as one array of ids (EOS-joined): no per-token Python work beyond reading its id lists.
-    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    backend.no_padding()  # a copy: padding or truncation set by an earlier call must not apply here
-    backend.no_truncation()
+    backend = tokenizer.backend_tokenizer
+    if backend.padding or backend.truncation:  # left by an earlier call: not for this one (nor changed for it)
+        backend = Tokenizer.from_str(backend.to_str())
+        backend.no_padding()
+        backend.no_truncation()
     tokens = docs.map(encode, batched=True, batch_size=batch_rows(docs), fn_kwargs={"backend": backend, "sep": sep},
                       remove_columns=docs.column_names, features=ENCODED, writer_batch_size=1,
                       num_proc=min(data.num_proc, len(docs)) if len(docs) > 1 else None,
