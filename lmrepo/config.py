@@ -112,6 +112,9 @@ def check_model(model: DictConfig, data: DictConfig) -> None:
     shape = model_shape(model)
     _require(shape["n_embd"] % shape["n_head"] == 0,
              f"model.n_head={shape['n_head']} does not divide model.n_embd={shape['n_embd']}: change one of them")
+    _require(model.pretrained or "n_kv_head" not in model or shape["n_head"] % model.n_kv_head == 0,
+             f"model.n_kv_head={model.get('n_kv_head')} does not divide model.n_head={shape['n_head']} "
+             "(each key/value head serves a group of query heads): change one of them")
     _require(data.block_size <= shape["n_positions"],
              f"data.block_size={data.block_size} is longer than the model's {shape['n_positions']} positions: "
              f"lower data.block_size or raise model.n_positions")
@@ -192,10 +195,6 @@ def check_tensor_parallel(cfg: DictConfig, dp_size: int) -> int:
         _require(tp.size == 1, f"tp.size={tp.size} needs tp=auto: set tp=auto or tp.size=1")
         return dp_size
     _require(tp.size >= 2, f"tp.size={tp.size} must be >= 2 with tp=auto (or choose tp=none)")
-    _require(dp_size % tp.size == 0,
-             f"tp.size={tp.size} does not divide the {dp_size} rank(s) (world = tp.size x data-parallel ranks): "
-             "change tp.size or the rank count")
-    _require(cfg.pipeline.schedule == "none", "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none")
     from lmrepo.estimate import meta_model
     from lmrepo.tp import autotp_refusal
 
@@ -207,6 +206,10 @@ def check_tensor_parallel(cfg: DictConfig, dp_size: int) -> int:
              "key/value heads": getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)}
     for what, count in heads.items():
         _require(count % tp.size == 0, f"tp.size={tp.size} does not divide the model's {count} {what}: change tp.size")
+    _require(dp_size % tp.size == 0,
+             f"tp.size={tp.size} does not divide the {dp_size} rank(s) (world = tp.size x data-parallel ranks): "
+             "change tp.size or the rank count")
+    _require(cfg.pipeline.schedule == "none", "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none")
     return dp_size // tp.size
 
 
