@@ -1,0 +1,149 @@
+"""torch.distributed.pipelining schedules (pipeline=gpipe, 1f1b_torch, interleaved; lmrepo/pipelining.py).
+
+Real 2-rank launches (4 in all) against a 1-rank run without a pipeline, same seed, data and
+global batch: with 2 stages on 2 ranks the data-parallel size is 1, so both read the same
+samples and the same held-out batches; trainer.grad_accum=2 micro-batches per step on both.
+
+Tolerance: 1e-5 relative, fp32. Both compute the same layers on the same weights; what may
+differ is float rounding: the schedule scales the summed micro-batch gradients by 1/2 where
+DeepSpeed scales each micro-batch loss, torch's AdamW against DeepSpeed's FusedAdam, the clip
+norm summed per stage. That is ~1e-7 relative per step (measured here: bit-identical over 6
+steps), far below the ~1e-2 a single optimizer step moves the loss, so a wrong gradient, a
+missing tied-weight reduction or a wrong LR would fail.
+"""
+import pytest
+import torch
+
+from conftest import TINY, assert_ok, compose_config, read_metrics, run_train, train_losses
+from lmrepo.models import build_model, pipe
+from lmrepo.pipelining import is_tied_copy, partition, tied_owner
+
+FP32_TOL = 1e-5
+PIPE = ("trainer.grad_accum=2", "precision=fp32")  # 2 micro-batches: at least one per stage
+LAYERS4 = ("model.n_layer=4",)  # interleaved: 2 ranks x 2 chunks, each chunk a transformer layer
+
+
+def assert_close(a: list[float], b: list[float], rel: float = FP32_TOL) -> None:
+    assert len(a) == len(b) > 0
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    assert worst <= rel, f"losses differ by {worst:.2e} relative (> {rel}):\n{a}\n{b}"
+
+
+def eval_loss(run_dir) -> float:
+    return [m["eval_loss"] for m in read_metrics(run_dir) if "eval_loss" in m][-1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """1-rank runs without a pipeline, keyed by extra overrides."""
+    root, runs = tmp_path_factory.mktemp("reference"), {}
+
+    def run(*overrides: str):
+        if overrides not in runs:
+            run_dir = root / f"run{len(runs)}"
+            assert_ok(run_train([*TINY, *PIPE, *overrides], run_dir))
+            runs[overrides] = run_dir
+        return runs[overrides]
+
+    return run
+
+
+# --- in-process: the split ----------------------------------------------------------------
+
+def gpt2_layers(n_layer: int) -> list:
+    cfg = compose_config([f"model.n_layer={n_layer}", "model.n_head=2", "model.n_embd=64", "data.block_size=32"])
+    return pipe.pipeline_layers(build_model(cfg.model), "gpt2")
+
+
+def test_partition_splits_where_deepspeed_does():
+    layers = gpt2_layers(2)  # embed, block, block, norm, head (tied)
+    # DeepSpeed's PipelineModule printed this split for the same model (pipeline=1f1b):
+    # stage 0 = embed + block 0, stage 1 = block 1 + norm + head (the two vocabulary matrices balance).
+    assert partition(layers, 2, "parameters") == [0, 2, 5]
+    assert partition(layers, 2, "uniform") == [0, 3, 5]
+    assert partition(layers, 2, "type:GPT2Block") == [0, 2, 5]
+
+
+def test_interleaved_chunks_each_hold_one_block():
+    layers = gpt2_layers(4)
+    parts = partition(layers, 4, "type:GPT2Block")
+    names = [[layers[i].typename.__name__ for i in range(a, b)] for a, b in zip(parts, parts[1:])]
+    assert [n.count("GPT2BlockPipe") for n in names] == [1, 1, 1, 1]
+    assert parts[0] == 0 and parts[-1] == len(layers)
+
+
+def test_tied_head_is_a_copy_of_the_embedding():
+    layers = gpt2_layers(2)
+    assert [is_tied_copy(spec) for spec in layers] == [False, False, False, False, True]
+    assert tied_owner(layers, 4) == 0 and tied_owner(layers, 2) == 2
+
+
+# --- real launches ------------------------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b_torch"])
+def test_schedule_matches_no_pipeline(launch2, reference, schedule):
+    run_dir = launch2(*PIPE, f"pipeline={schedule}")
+    ref = reference()
+    assert_close(train_losses(run_dir), train_losses(ref))
+    assert_close([eval_loss(run_dir)], [eval_loss(ref)])
+    # The LR comes from DeepSpeed's own scheduler class: the same rate at every step.
+    lrs = [[m["lr"] for m in read_metrics(d) if "lr" in m] for d in (run_dir, ref)]
+    assert lrs[0] == lrs[1]
+
+
+@pytest.mark.distributed
+def test_interleaved_matches_no_pipeline(launch2, reference):
+    run_dir = launch2(*PIPE, *LAYERS4, "pipeline=interleaved", "pipeline.partition=type:GPT2Block")
+    ref = reference(*LAYERS4)
+    losses = train_losses(run_dir)
+    assert losses[-1] < losses[0]
+    assert_close(losses, train_losses(ref))
+    assert_close([eval_loss(run_dir)], [eval_loss(ref)])
+
+
+@pytest.mark.distributed
+def test_checkpoint_has_deepspeeds_pipeline_layout(launch2):
+    tag_dir = launch2(*PIPE, "pipeline=gpipe") / "checkpoints" / "step_00000006"
+    files = {f.name for f in tag_dir.iterdir()}
+    # One file per layer that owns parameters (the tied head has none), as DeepSpeed names them.
+    assert {"layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
+            "layer_03-model_states.pt"} <= files and "layer_04-model_states.pt" not in files
+    assert {"mp_rank_00_model_states.pt", "torch_pipe_rank_00000_optim_states.pt",
+            "torch_pipe_rank_00001_optim_states.pt"} <= files
+    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)
+    assert states["module"] is None and states["step"] == 6 and states["dp_size"] == 1
+    assert set(torch.load(tag_dir / "layer_00-model_states.pt")) == {"wte.weight", "wpe.weight"}
+
+
+@pytest.mark.distributed
+def test_tied_embedding_copies_get_equal_updates(launch2):
+    """Stage 0 holds the token embedding, stage 1 its copy as the LM head. AdamW's moments of
+    the two copies, saved by each rank, are equal only if every step gave them the same
+    gradient: the sum of both ends', as for the one matrix of the unsplit model."""
+    tag_dir = launch2(*PIPE, "pipeline=gpipe") / "checkpoints" / "step_00000006"
+    vocab = 50257
+
+    def embedding_moments(rank: int) -> dict:
+        state = torch.load(tag_dir / f"torch_pipe_rank_{rank:05d}_optim_states.pt", weights_only=False)
+        moments = [s for s in state["optimizer"]["state"].values() if s["exp_avg"].shape[0] == vocab]
+        assert len(moments) == 1
+        return moments[0]
+
+    first, last = embedding_moments(0), embedding_moments(1)
+    assert torch.equal(first["exp_avg"], last["exp_avg"]) and torch.equal(first["exp_avg_sq"], last["exp_avg_sq"])
+    assert first["exp_avg"].abs().sum() > 0
+
+
+@pytest.mark.distributed
+def test_resume_continues_the_same_losses(launch2, tmp_path):
+    original = launch2(*PIPE, "pipeline=1f1b_torch")
+    resumed = tmp_path / "resumed"
+    assert_ok(run_train([*TINY, *PIPE, "pipeline=1f1b_torch", f"run.resume={original / 'checkpoints' / 'step_00000003'}"],
+                        resumed, ranks=2))
+    after = {m["step"]: m["loss"] for m in read_metrics(resumed) if "loss" in m}
+    before = {m["step"]: m["loss"] for m in read_metrics(original) if "loss" in m}
+    assert sorted(after) == [4, 5, 6]
+    # Weights, AdamW moments, LR schedule position and data position all come back: exactly.
+    assert [after[s] for s in (4, 5, 6)] == [before[s] for s in (4, 5, 6)]
+    assert eval_loss(resumed) == eval_loss(original)
