@@ -29,6 +29,10 @@ def export(source: str, out: Path) -> Path:
     states = torch.load(checkpoint.check_files(directory / tag), map_location="cpu", weights_only=False)
     if "config" not in states:
         raise ConfigError(f"{directory / tag} was not written by lmrepo: no config to rebuild the model from")
+    tp = states["config"].get("tp") or {}
+    if tp.get("mode") == "auto":
+        raise ConfigError(f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank saved "
+                          "its own slice of the weights and export does not join them; export a tp=none run")
     model_cfg = OmegaConf.create(states["config"]["model"])
     family = FAMILIES[model_cfg.family]
     hf_config = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
