@@ -121,16 +121,18 @@ def test_option_composes_to_its_yaml(option):
 
 @pytest.mark.parametrize("option", all_options())
 def test_option_validates_or_names_mandatory_key(option, tmp_path):
-    companions = {"offload=cpu": ["zero=stage2"], "offload=nvme": ["zero=stage3", f"offload.nvme_path={tmp_path}"]}
+    companions = {"offload=cpu": ["zero=stage2"], "offload=nvme": ["zero=stage3", f"offload.nvme_path={tmp_path}"],
+                  "tp=auto": ["model=llama-tiny"]}  # DeepSpeed's AutoTP refuses the default GPT-2
     cfg = compose_config([option, *companions.get(option, [])])
+    world = cfg.tp.size  # one tensor-parallel group
     if option in MANDATORY:
         with pytest.raises(ConfigError, match=MANDATORY[option]):
-            validate(cfg, 1, GPU)
+            validate(cfg, world, GPU)
     elif option == "offload=nvme" and not libaio_available():
         with pytest.raises(ConfigError, match="libaio"):
-            validate(cfg, 1, GPU)
+            validate(cfg, world, GPU)
     else:
-        ds, changed = validate(cfg, 1, GPU)
+        ds, changed = validate(cfg, world, GPU)
         assert changed == [] and ds["train_batch_size"] == 8
 
 
