@@ -19,12 +19,15 @@ wherever they exist, so both paths train the same model the same way:
   in mp_rank_00_model_states.pt) plus torch_pipe_rank_XXXXX_optim_states.pt per rank.
 ZeRO, offload and fp16 are not supported (config.check_deepspeed refuses them up front).
 """
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
+import deepspeed
 import deepspeed.runtime.lr_schedules as lr_schedules
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
@@ -113,6 +116,17 @@ def print_split(layers: list, parts: list[int], stages: int, schedule: str, micr
 
 # --- the engine ----------------------------------------------------------------------------
 
+def non_reentrant_checkpointing(model: nn.Module) -> None:
+    """torch's stages take input gradients with torch.autograd.grad, which DeepSpeed's checkpoint
+    functions (checkpointing.impl=deepspeed) refuse ("Checkpointing is not compatible with .grad()"):
+    those blocks recompute with torch's non-reentrant checkpoint instead, as impl=torch does. The
+    same recomputation: DeepSpeed's ZeRO-R options partition activations across tensor-parallel
+    ranks, and a pipeline here has none."""
+    for module in model.modules():
+        if getattr(module, "_gradient_checkpointing_func", None) is deepspeed.checkpointing.checkpoint:
+            module._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
 class TorchPipelineEngine:
     """The subset of DeepSpeed's PipelineEngine that lmrepo drives (train_batch, eval_batch,
     get_lr, checkpoints, grid), over a torch.distributed.pipelining schedule."""
@@ -137,6 +151,7 @@ class TorchPipelineEngine:
         self.chunks = nn.ModuleList(
             Chunk({i: build_layer(layers[i]) for i in range(self.parts[c], self.parts[c + 1])}) for c in self.chunk_ids)
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
+        non_reentrant_checkpointing(self.chunks)
         self.schedule = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
         self.eval_schedules = {}  # micro-batch count -> a forward-only schedule over stages of its own
 
