@@ -491,6 +491,8 @@ def test_prepare_data_script(tmp_path, two_corpora):
 def test_bench_data_quick():
     proc = run_script("bench_data.py", "--quick", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for line in ("ratio prepare / seeds:", "ratio train_step supply / seeds:", "padding waste: seeds",
+    for line in ("ratio prepare / seeds, one pass:", "ratio prepare / seeds, per CPU-second:",
+                 "ratio tokenizer alone / seeds, per CPU-second:", "ratio train_step supply / seeds:",
+                 "ratio over E epochs", "padding waste: seeds",
                  "fraction of a step waiting for data:", "ratio x10 / x1 peak memory:"):
         assert line in proc.stdout
