@@ -106,10 +106,14 @@ def test_every_experiment_recipe_composes_and_validates(recipe, tmp_path):
     jobs = [[]]
     for group, options in (cfg.hydra.sweeper.params or {}).items():
         jobs = [[*job, f"{group}={option}"] for job in jobs for option in options.split(",")]
+    recipe_yaml = OmegaConf.load(CONF / "experiment" / f"{recipe}.yaml")
     for job in jobs:
         extra = [f"offload.nvme_path={tmp_path}"] if "offload=nvme" in job else []
-        validate(compose_config([f"experiment={recipe}", *job, *extra]), cfg.launcher.ranks,
-                 Device("cuda", fp16=True, bf16=True))
+        job_cfg = compose_config([f"experiment={recipe}", *job, *extra])
+        # The recipe's plain keys win over conf/train.yaml's.
+        for key, value in OmegaConf.to_container(recipe_yaml.get("trainer", {})).items():
+            assert job_cfg.trainer[key] == value, f"{recipe}: trainer.{key}"
+        validate(job_cfg, cfg.launcher.ranks, Device("cuda", fp16=True, bf16=True))
 
 
 @pytest.mark.parametrize("option", all_options())
@@ -122,9 +126,10 @@ def test_option_composes_to_its_yaml(option):
 @pytest.mark.parametrize("option", all_options())
 def test_option_validates_or_names_mandatory_key(option, tmp_path):
     companions = {"offload=cpu": ["zero=stage2"], "offload=nvme": ["zero=stage3", f"offload.nvme_path={tmp_path}"],
+                  "pipeline=1f1b_torch": ["trainer.grad_accum=2"], "pipeline=interleaved": ["trainer.grad_accum=2"],
                   "tp=auto": ["model=llama-tiny"]}  # DeepSpeed's AutoTP refuses the default GPT-2
     cfg = compose_config([option, *companions.get(option, [])])
-    world = cfg.tp.size  # one tensor-parallel group
+    world = cfg.pipeline.stages * cfg.tp.size  # one data-parallel replica of the pipeline / tensor-parallel group
     if option in MANDATORY:
         with pytest.raises(ConfigError, match=MANDATORY[option]):
             validate(cfg, world, GPU)
@@ -133,7 +138,7 @@ def test_option_validates_or_names_mandatory_key(option, tmp_path):
             validate(cfg, world, GPU)
     else:
         ds, changed = validate(cfg, world, GPU)
-        assert changed == [] and ds["train_batch_size"] == 8
+        assert changed == [] and ds["train_batch_size"] == 8 * cfg.trainer.grad_accum
 
 
 def test_unknown_option_fails_at_compose_time():
@@ -360,7 +365,7 @@ def test_seed_004_scheduler_params_fit_the_user_scheduler(tmp_path):
     (["model.n_head=3"], 1, CPU, ["model.n_head", "model.n_embd"]),
     (["data.block_size=512"], 1, CPU, ["data.block_size"]),
     (["pipeline.stages=2"], 2, CPU, ["pipeline.stages"]),
-    (["pipeline.schedule=1f1b", "pipeline.stages=2"], 3, CPU, ["pipeline.schedule"]),  # no pipeline schedule exists yet
+    (["pipeline.schedule=1f1b", "pipeline.stages=2"], 2, CPU, ["pipeline.schedule"]),  # pipeline=none's engine
     (["trainer.warmup_steps=300"], 1, CPU, ["trainer.warmup_steps", "trainer.max_steps"]),
     (["trainer.warmup_steps=400"], 1, CPU, ["trainer.warmup_steps"]),
     (["trainer.lr_decay=step"], 1, CPU, ["trainer.lr_decay"]),
