@@ -119,7 +119,17 @@ def check_files(tag_dir: Path) -> Path:
     return states
 
 
-def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int) -> Resume:
+PIPELINE_DEFAULTS = {"engine": None, "stages": 1, "virtual_stages": 1, "partition": "parameters"}
+
+
+def pipeline_layout(pipeline) -> dict:
+    """What fixes which files a checkpoint has: the pipeline engine, its stages and the layer split.
+    Schedules of one engine share the layout (gpipe <-> 1f1b_torch resume each other)."""
+    pipeline = pipeline or {}
+    return {k: pipeline.get(k, default) for k, default in PIPELINE_DEFAULTS.items()}
+
+
+def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int, pipeline_cfg=None) -> Resume:
     """Reads the checkpoint's client state and refuses one this run cannot continue."""
     tag_dir = directory / tag
     states_file = check_files(tag_dir)
@@ -141,6 +151,11 @@ def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int) -> Resume
     if saved_vocab is not None and saved_vocab != tokenizer_size:
         raise ConfigError(f"checkpoint {tag_dir} was trained with a {saved_vocab}-token vocabulary, this run's tokenizer "
                           f"has {tokenizer_size}: use the same model.tokenizer")
+    saved_layout, layout = pipeline_layout(states["config"].get("pipeline")), pipeline_layout(pipeline_cfg)
+    if pipeline_cfg is not None and saved_layout != layout:
+        differs = ", ".join(f"pipeline.{k}={v}" for k, v in saved_layout.items() if layout[k] != v)
+        raise ConfigError(f"checkpoint {tag_dir} was saved with another pipeline layout ({differs}): resume with the "
+                          "same pipeline settings, or export it (scripts/export_hf.py) and start from model.pretrained")
     partitioned = any(tag_dir.glob("*zero_pp_rank_*"))
     return Resume(directory, tag, int(states["step"]), int(states["consumed"]), int(states["dp_size"]), partitioned)
 

@@ -71,10 +71,30 @@ def enable_activation_checkpointing(model, checkpointing, ds_config: dict) -> No
     if checkpointing.impl == "deepspeed":
         # transformers' checkpointed layers call `_gradient_checkpointing_func`; DeepSpeed's
         # version adds the ZeRO-R options of the `activation_checkpointing` section.
-        deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+        # As keywords: configure(deepspeed_config=...) re-checks the batch keys against the
+        # whole world, which a pipeline's data-parallel batch does not satisfy.
+        section = ds_config.get("activation_checkpointing", {})
+        deepspeed.checkpointing.configure(
+            None, partition_activations=section.get("partition_activations"),
+            contiguous_checkpointing=section.get("contiguous_memory_optimization"),
+            num_checkpoints=section.get("number_checkpoints"), checkpoint_in_cpu=section.get("cpu_checkpointing"),
+            synchronize=section.get("synchronize_checkpoint_boundary"))
         for module in model.modules():
             if hasattr(module, "_gradient_checkpointing_func"):
                 module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
+
+
+def count_every_stage_in_clip_norm(module: PipelineModule) -> None:
+    """DeepSpeed's fp32 ZeRO-0 gradient clipping (deepspeed.runtime.utils.clip_grad_norm_) counts a
+    gradient when `mpu.get_model_parallel_rank() == 0` or the parameter is marked model-parallel;
+    a pipeline's grid answers that rank with the stage index, so only the first stage's gradients
+    made the norm (measured: clip coefficient 0.651 where the whole model's norm gives 0.518).
+    Marking each stage's own parameters counts them all once; the tied copies DeepSpeed marks
+    `ds_pipe_replicated` stay unmarked, so only the first stage counts them. Every other
+    DeepSpeed use of the mark tests the tensor-parallel rank, which is 0 here: no other effect."""
+    for param in module.parameters():
+        if not getattr(param, "ds_pipe_replicated", False):
+            param.model_parallel = True
 
 
 def build_pipeline_engine(model_cfg, checkpointing, pipeline, ds_config: dict):
@@ -90,6 +110,7 @@ def build_pipeline_engine(model_cfg, checkpointing, pipeline, ds_config: dict):
         return build_torch_pipeline(layers, loss, pipeline, ds_config)
     module = PipelineModule(layers=layers, num_stages=pipeline.stages, loss_fn=loss,
                             partition_method=pipeline.partition)  # type:GPT2Block also matches GPT2BlockPipe
+    count_every_stage_in_clip_norm(module)
     weight_decay = ds_config["optimizer"]["params"].get("weight_decay", 0.0)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, weight_decay), config=ds_config)
     return engine

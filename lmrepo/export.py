@@ -9,7 +9,7 @@ from transformers import AutoConfig
 
 from lmrepo import checkpoint
 from lmrepo.errors import ConfigError
-from lmrepo.models import FAMILIES
+from lmrepo.models import FAMILIES, pipe
 from lmrepo.tokenizer import load_tokenizer
 
 
@@ -19,6 +19,16 @@ def consolidated_state_dict(directory: Path, tag: str, states: dict) -> dict:
     if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
         return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
     return {k: v.float() for k, v in states["module"].items()}
+
+
+def pipeline_state_dict(tag_dir: Path, model, family: str) -> dict:
+    """A pipeline checkpoint holds one file per layer (DeepSpeed's layout, and lmrepo's torch
+    pipelines write the same): map each layer's parameter names back to the transformers names."""
+    state = {}
+    for index, names in pipe.hf_names(model, family).items():
+        layer = torch.load(tag_dir / f"layer_{index:02d}-model_states.pt", map_location="cpu", weights_only=True)
+        state.update({names[name]: tensor.float() for name, tensor in layer.items() if name in names})
+    return state
 
 
 def export(source: str, out: Path) -> Path:
@@ -37,7 +47,11 @@ def export(source: str, out: Path) -> Path:
     family = FAMILIES[model_cfg.family]
     hf_config = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
     model = family.MODEL_CLASS(hf_config)
-    missing, unexpected = model.load_state_dict(consolidated_state_dict(directory, tag, states), strict=False)
+    if (directory / tag / "layer_00-model_states.pt").is_file():
+        weights = pipeline_state_dict(directory / tag, model, model_cfg.family)
+    else:
+        weights = consolidated_state_dict(directory, tag, states)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if k in model._tied_weights_keys or k.endswith("lm_head.weight") or k.endswith("decoder.weight")}
     if set(missing) - tied or unexpected:
         raise ConfigError(f"{directory / tag}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "

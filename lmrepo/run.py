@@ -43,9 +43,13 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
     resume = None
     found = checkpoint.find(cfg.run.resume, run_dir / "checkpoints")
     if found:
-        resume = checkpoint.inspect(*found, cfg.model, len(tokenizer))
+        resume = checkpoint.inspect(*found, cfg.model, len(tokenizer), cfg.pipeline)
         dp_size = ds_config["train_batch_size"] // (ds_config["train_micro_batch_size_per_gpu"]
                                                      * ds_config["gradient_accumulation_steps"])
+        if resume.partitioned and resume.dp_size != dp_size and cfg.pipeline.schedule != "none":
+            raise ConfigError(f"this pipeline checkpoint was saved with {resume.dp_size} data-parallel replica(s), this run "
+                              f"has {dp_size}: resume with {resume.dp_size * cfg.pipeline.stages} ranks (a universal "
+                              "checkpoint conversion is not supported for pipelines here)")
         resume = checkpoint.prepare_universal(resume, dp_size)
         if resume.universal:
             ds_config["checkpoint"] = {"load_universal": True}
