@@ -141,7 +141,7 @@ class TorchPipelineEngine:
         self.grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=self.stages, num_dp=world // self.stages))
         self.stage_id, self.dp = self.grid.get_stage_id(), self.grid.get_data_parallel_world_size()
         self.micro_batches = ds_config["gradient_accumulation_steps"]
-        self.loss, self.layer_specs, self.schedule_name = loss, layers, pipeline.schedule
+        self.loss, self.layer_specs = loss, layers
         self.parts = partition(layers, self.stages * virtual, str(pipeline.partition))
         if dist.get_rank() == 0:
             print_split(layers, self.parts, self.stages, pipeline.schedule, self.micro_batches)

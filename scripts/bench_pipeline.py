@@ -14,8 +14,9 @@ it (lmrepo.config.validate -> lmrepo.engine.build_engine), fp32, on synthetic to
 - t_micro: forward + backward of one micro-batch through one rank's layers alone (no pipeline,
   no communication), on both ranks at once, the slower rank's; timed right after each timed
   step, so both see the same load of a shared machine;
-- bubble: 1 - m x t_micro / step, measured (it also holds the optimizer step and the
-  communication), against (p-1)/(m+p-1) (interleaved with v chunks per rank: (p-1)/(v m+p-1));
+- bubble: 1 - m x t_micro / step for each timed step and the micro-batch timed right after it,
+  the median over those pairs (it also holds the optimizer step and the communication),
+  against (p-1)/(m+p-1) (interleaved with v chunks per rank: (p-1)/(v m+p-1));
 - saved MB: the peak bytes of tensors saved for backward alive at once on each stage
   (torch.autograd.graph.saved_tensors_hooks; a weakref finalizer on each saved tensor's holder
   tells when backward released it; parameters are not counted); "in flight" divides that by
@@ -49,7 +50,7 @@ QUICK_MODEL = ["model.n_layer=4", "model.n_head=2", "model.n_embd=64", "model.vo
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps: a smoke run")
-    parser.add_argument("--steps", type=int, help="timed steps per schedule and m (6; quick 2)")
+    parser.add_argument("--steps", type=int, help="timed steps per schedule and m (8; quick 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     parser.add_argument("--local_rank", help=argparse.SUPPRESS)  # the deepspeed launcher's flag
     return parser.parse_known_args()
@@ -194,13 +195,14 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
     tracker = SavedTensors(list(params))
     with tracker.hooks():
         engine.train_batch(iter(pairs))
-    del engine
 
     saved = [torch.zeros(2) for _ in range(dist.get_world_size())]
     dist.all_gather(saved, torch.tensor([float(tracker.peak), float(micro_bytes)]))
     p, v = cfg.pipeline.stages, cfg.pipeline.virtual_stages
+    bubbles = [1 - m * micro / step for step, micro in zip(step_times, micro_times)]
     return {"schedule": schedule, "m": m, "p": p, "v": v, "step": statistics.median(step_times),
-            "t_micro": statistics.median(micro_times), "theory": (p - 1) / (v * m + p - 1),
+            "t_micro": statistics.median(micro_times), "bubble": statistics.median(bubbles),
+            "theory": (p - 1) / (v * m + p - 1),
             "saved": [s[0].item() for s in saved], "micro_saved": [s[1].item() for s in saved]}
 
 
@@ -212,7 +214,7 @@ def run_worker(args, overrides: list[str]) -> None:
 
     torch.set_num_threads(1)
     init_distributed()
-    steps = args.steps or (2 if args.quick else 6)
+    steps = args.steps or (2 if args.quick else 8)
     model = [*(QUICK_MODEL if args.quick else MODEL), *overrides]
     rows, load = [], os.getloadavg()[0]
     try:
@@ -244,11 +246,10 @@ def report(rows: list[dict], model: list[str], load: tuple[float, float]) -> str
              "| saved MB stage 0 / 1 | in flight stage 0 / 1 |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        bubble = 1 - r["m"] * r["t_micro"] / r["step"]
         flight = [s / u if u else float("nan") for s, u in zip(r["saved"], r["micro_saved"])]
         name = r["schedule"] + (f" (v={r['v']})" if r["v"] > 1 else "")
         lines.append(f"| {name} | {ENGINES[r['schedule']]} | {r['m']} | {r['step'] * 1e3:.0f} | {r['t_micro'] * 1e3:.1f} "
-                     f"| {bubble:.2f} | {r['theory']:.2f} | {r['saved'][0] / mb:.1f} / {r['saved'][-1] / mb:.1f} "
+                     f"| {r['bubble']:.2f} | {r['theory']:.2f} | {r['saved'][0] / mb:.1f} / {r['saved'][-1] / mb:.1f} "
                      f"| {flight[0]:.1f} / {flight[-1]:.1f} |")
     by = {(r["schedule"], r["m"]): r for r in rows}
     lines += ["\nPeak saved activations, GPipe / 1F1B (torch, same run):\n",
