@@ -46,13 +46,12 @@ def main(out: Path, overrides: list[str]) -> None:
         recorded["clip_coef"] = (tied.grad.norm() / recorded["grad"].norm()).item()
         return optimizer_step(*args, **kwargs)
 
-    engine.optimizer.step = record_clip_then_step
-
     engine._take_model_step = record_then_step
+    engine.optimizer.step = record_clip_then_step
     engine.train_batch(_pipeline_inputs(batches))
     rank = dist.get_rank()
-    torch.save({"grad": recorded["grad"], "weight": module.tied_modules["embed"].wte.weight.detach().clone(),
-}, out / f"tied_rank{rank}.pt")
+    torch.save({"grad": recorded["grad"], "weight": tied.detach().clone(), "clip_coef": recorded["clip_coef"]},
+               out / f"tied_rank{rank}.pt")
 
     if rank == 0:
         # The same step on the whole model: DeepSpeed's pipeline divides each micro batch's loss
