@@ -1,7 +1,7 @@
 """Data-pipeline benchmark: the figures of issue 3, each side by side in one run, printed as ratios.
 
-    python scripts/bench_data.py            # the default corpus, 3 rounds, 20 training steps (~4 min on 2 idle CPU cores)
-    python scripts/bench_data.py --quick    # 4 plays, 1 round, 2 training steps: a smoke run (~40 s)
+    python scripts/bench_data.py            # the default corpus, 3 rounds, 20 training steps (~5 min on 2 busy CPU cores)
+    python scripts/bench_data.py --quick    # 4 plays, 1 round, 2 training steps: a smoke run (~1 min)
 
 1. Preparation: lmrepo's prepare() (tokenize once with datasets.map, pack, memmap) against the
    seeds' approach on the same text with the same GPT-2 tokenizer (the Rust one: transformers
@@ -11,9 +11,10 @@
    (blank-line separated) of the Shakespeare plays. Both sides count the tokens the tokenizer
    produced (the seeds' pad tokens not included) per second of wall time, the best of 3
    alternating rounds (a shared machine slows some runs), and per CPU-second (all threads and
-   worker processes: what the work costs, whatever else runs). Then: the rate at which training
-   reads lmrepo's token file (LMData.train_step), the ratio over several epochs (the seeds
-   tokenize every epoch, lmrepo once), and the seeds' padding waste (lmrepo packs: 0%).
+   worker processes: what the work costs, whatever else runs); and the tokenizer alone, one call
+   on the whole documents, whose cost per token no preparation can go below. Then: the rate at
+   which training reads lmrepo's token file (LMData.train_step), the ratio over several epochs
+   (the seeds tokenize every epoch, lmrepo once), and the seeds' padding waste (lmrepo: 0%).
 2. Data wait: the share of a training step of the default job (gpt2-tiny, bf16, micro batch 8
    of 128 tokens, the real DeepSpeed engine in this process, one rank) spent in
    LMData.train_step.
