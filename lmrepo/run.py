@@ -86,10 +86,6 @@ def train(cfg: DictConfig) -> dict:
         write_config_files(run_dir, cfg, ds_config)
         if user_changed:
             print(f"lmrepo: deepspeed_config={cfg.deepspeed_config} sets {', '.join(user_changed)}", flush=True)
-    engine = build_engine(cfg.model, cfg.checkpointing, ds_config, compile=cfg.trainer.compile, pipeline=cfg.pipeline)
-    dp_rank, dp_size = data_parallel(engine)
-    layout = Layout(global_batch=ds_config["train_batch_size"], micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-                    dp_rank=dp_rank, dp_size=dp_size)
     config = OmegaConf.to_container(cfg, resolve=True)
     checkpoint_dir = run_dir / "checkpoints"
 
@@ -102,6 +98,11 @@ def train(cfg: DictConfig) -> dict:
 
     sinks = None
     try:
+        engine = build_engine(cfg.model, cfg.checkpointing, ds_config, compile=cfg.trainer.compile,
+                              pipeline=cfg.pipeline)
+        dp_rank, dp_size = data_parallel(engine)
+        layout = Layout(global_batch=ds_config["train_batch_size"],
+                        micro_batch=ds_config["train_micro_batch_size_per_gpu"], dp_rank=dp_rank, dp_size=dp_size)
         data = LMData(data_sources, cfg.data.block_size, cfg.model.family, tokenizer, layout, cfg.trainer.seed,
                       cfg.trainer.eval_batches)
         loading = time.perf_counter()
