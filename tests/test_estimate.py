@@ -77,10 +77,16 @@ def test_exact_parameters_of_every_preset(preset):
     # Unique by identity over all parameter references: the tied LM head is the embedding itself.
     unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
     assert counted == sum(unique.values())
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     m = cfg.model
+    tied = m.family != "llama" or m.tie_embeddings
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     l, h, V, s = m.n_layer, m.n_embd, m.vocab_size, m.n_positions
-    if m.family == "gpt2":
+    if m.family == "llama":
+        # q and o are h x h, k and v h x (kv heads x head size), SwiGLU's three h x n_inner, two
+        # RMSNorms per layer and a final one; no biases, rotary positions have no parameters.
+        kv = m.n_kv_head * (h // m.n_head)
+        expected = l * (2 * h * h + 2 * h * kv + 3 * h * m.n_inner + 2 * h) + V * h * (1 if tied else 2) + h
+    elif m.family == "gpt2":
         expected = round(estimate.formula_parameters(l, h, V, s)) + 2 * h   # + final layer norm
     else:
         # BERT: the same blocks (n_inner = 4h) and embeddings, plus 2 token types, the embedding
