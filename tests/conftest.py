@@ -72,6 +72,19 @@ def launch2(tmp_path_factory):
     return run
 
 
+def env_without_wandb_key(home: Path) -> dict:
+    """The environment of a user with no W&B key: no WANDB_* variables and a HOME without
+    ~/.netrc. DeepSpeed's compiled ops stay where they are (they live under HOME by default):
+    rebuilding them would add a minute to every process."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    # torch's own answer for where this machine's ops are built (HOME-based, with a py/accelerator suffix)
+    env["TORCH_EXTENSIONS_DIR"] = str(Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent)
+    env["HOME"] = str(home)
+    return env
+
+
 def free_port() -> int:
     import socket
 

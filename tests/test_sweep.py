@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, assert_ok, compose_config, read_metrics
+from conftest import REPO, TINY, assert_ok, compose_config, env_without_wandb_key, read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -19,8 +19,7 @@ def sweep(tmp_path_factory):
     """zero=stage0,stage3 x offload=none,cpu with 2 ranks per job: stage0+cpu is refused
     (optimizer offload needs ZeRO >= 1) and recorded; the other three train."""
     root = tmp_path_factory.mktemp("sweep")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["HOME"] = str(root)  # no W&B key: offline
+    env = env_without_wandb_key(root)  # W&B offline
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "zero=stage0,stage3", "offload=none,cpu",
                            "launcher.ranks=2", *[o for o in TINY if not o.startswith("logger")], "logger=wandb",
                            f"hydra.sweep.dir={root / 'sweep'}"], cwd=root, capture_output=True, text=True, env=env,

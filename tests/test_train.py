@@ -1,13 +1,12 @@
 """Single-process `python train.py` runs: the run-directory contract, BERT, W&B offline,
 a user's DeepSpeed JSON, and bad input stopping before anything starts."""
 import json
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import TINY, assert_ok, read_metrics, run_train, train_losses
+from conftest import TINY, assert_ok, env_without_wandb_key, read_metrics, run_train, train_losses
 
 CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
 
@@ -74,8 +73,7 @@ def test_bert_tiny_random_init_trains(tmp_path):
 
 def test_wandb_falls_back_to_offline_without_a_key(tmp_path):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["HOME"] = str(tmp_path)  # no ~/.netrc, so no API key
+    env = env_without_wandb_key(tmp_path)
     proc = run_train([*TINY, "logger=wandb", "logger.project=lmrepo-test"], run_dir, env=env)
     assert_ok(proc)
     offline_runs = list((run_dir / "wandb").glob("offline-run-*"))

@@ -113,7 +113,9 @@ class LmrepoLauncher(Launcher):
 
     def _command(self, job: Job) -> list[str]:
         script = os.path.abspath(sys.argv[0])
-        overrides = [*job.overrides, f"hydra.run.dir={job.run_dir}"]
+        # hydra.mode=RUN: a recipe that sets `hydra.mode: MULTIRUN` (experiment=zero_sweep) would
+        # otherwise make every job start the whole sweep again, recursively.
+        overrides = [*job.overrides, "hydra.mode=RUN", f"hydra.run.dir={job.run_dir}"]
         if job.ranks <= 1:
             return [sys.executable, script, *overrides]
         launcher = [str(Path(sys.executable).with_name("deepspeed")), "--master_port", str(free_port())]
