@@ -15,8 +15,8 @@ wherever they exist, so both paths train the same model the same way:
 - precision: fp32, or bf16 as torch.autocast (fp32 weights, gradients and optimizer state;
   matmuls in bf16). DeepSpeed's bf16 keeps bf16 weights with fp32 masters instead: the two agree
   to bf16 rounding, not bit for bit;
-- checkpoints: DeepSpeed's pipeline layout (layer_XX-model_states.pt per layer, the client state
-  in mp_rank_00_model_states.pt) plus torch_pipe_rank_XXXXX_optim_states.pt per rank.
+- checkpoints: DeepSpeed's pipeline layout (layer_NN-model_states.pt per layer, NN the layer index, the client state
+  in mp_rank_00_model_states.pt) plus torch_pipe_rank_<rank, 5 digits>_optim_states.pt per rank.
 ZeRO, offload and fp16 are not supported (config.check_deepspeed refuses them up front).
 """
 from functools import partial
@@ -38,6 +38,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleLoopedBFS)
 
 from lmrepo.engine import param_groups
+from lmrepo.models.pipe import is_tied_copy
 from lmrepo.errors import ConfigError
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b_torch": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -54,19 +55,11 @@ def partition(layers: list, parts: int, method: str) -> list[int]:
         return partition_uniform(num_items=len(layers), num_parts=parts)
     if method == "parameters":
         weights = PipelineModule._count_layer_params(specs)
-    elif method.startswith("type:"):
+    else:  # type:<regex>; config.check_pipeline refused anything else
         weights = [0] * len(layers)
         for index in PipelineModule._find_layer_type(specs, method.split(":", 1)[1]):
             weights[index] = 1
-    else:
-        raise ConfigError(f"pipeline.partition={method} is not parameters, uniform or type:<layer class regex>")
     return partition_balanced(weights=weights, num_parts=parts)
-
-
-def is_tied_copy(spec) -> bool:
-    """A TiedLayerSpec that computes with forward_fn (the LM head): it reuses the module of the
-    key's first layer and owns nothing of its own, so it has no checkpoint file (as DeepSpeed)."""
-    return getattr(spec, "forward_fn", None) is not None
 
 
 def tied_owner(layers: list, index: int) -> int:

@@ -16,7 +16,8 @@ import torch
 
 from conftest import TINY, assert_ok, compose_config, read_metrics, run_train, train_losses
 from lmrepo.models import build_model, pipe
-from lmrepo.pipelining import is_tied_copy, partition, tied_owner
+from lmrepo.models.pipe import is_tied_copy
+from lmrepo.pipelining import partition, tied_owner
 
 FP32_TOL = 1e-5
 PIPE = ("trainer.grad_accum=2", "precision=fp32")  # 2 micro-batches: at least one per stage

@@ -48,6 +48,9 @@ class GPT2BlockPipe(nn.Module):
 
 
 class NormPipe(nn.Module):
+    """A layer that is one module applied to the hidden states: GPT-2's final LayerNorm, BERT's
+    MLM head transform (dense, GELU, LayerNorm)."""
+
     def __init__(self, norm):
         super().__init__()
         self.norm = norm
@@ -90,15 +93,6 @@ class BertLayerPipe(nn.Module):
         return self.layer(hidden, None)
 
 
-class BertHeadTransformPipe(nn.Module):
-    def __init__(self, transform):
-        super().__init__()
-        self.transform = transform
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.transform(hidden)
-
-
 class BiasPipe(nn.Module):
     def __init__(self, bias: nn.Parameter):
         super().__init__()
@@ -112,7 +106,7 @@ def bert_layers(net) -> list:
     embeddings, predictions = net.bert.embeddings, net.cls.predictions
     return [TiedLayerSpec("embed", BertEmbeddingPipe, embeddings, tied_weight_attr="embeddings.word_embeddings.weight"),
             *[LayerSpec(BertLayerPipe, layer) for layer in net.bert.encoder.layer],
-            LayerSpec(BertHeadTransformPipe, predictions.transform),
+            LayerSpec(NormPipe, predictions.transform),
             TiedLayerSpec("embed", BertEmbeddingPipe, embeddings, forward_fn=bert_logits,
                           tied_weight_attr="embeddings.word_embeddings.weight"),
             LayerSpec(BiasPipe, predictions.decoder.bias)]
@@ -135,6 +129,12 @@ class LMLoss:
         return self.function(logits, labels, self.vocab_size)
 
 
+def is_tied_copy(spec) -> bool:
+    """A TiedLayerSpec that computes with forward_fn (the LM head): it reuses the module of its
+    key's first layer and owns nothing of its own, so it has no checkpoint file (as DeepSpeed)."""
+    return getattr(spec, "forward_fn", None) is not None
+
+
 def pipeline_layers(net, family: str) -> list:
     return LAYERS[family](net)
 
@@ -145,7 +145,7 @@ def hf_names(net, family: str) -> dict[int, dict[str, str]]:
     canonical = {id(p): name for name, p in net.named_parameters()}  # named_parameters lists a tied one once
     names = {}
     for index, spec in enumerate(pipeline_layers(net, family)):
-        if getattr(spec, "forward_fn", None) is not None:
+        if is_tied_copy(spec):
             continue
         layer = spec.build()
         names[index] = {name: canonical[id(p)] for name, p in layer.named_parameters()}
@@ -156,5 +156,5 @@ def layer_class_names(family: str, n_layer: int) -> list[str]:
     """The class name of every pipeline layer, in order, without building a model (for checks)."""
     if family == "gpt2":
         return ["GPT2EmbeddingPipe", *["GPT2BlockPipe"] * n_layer, "NormPipe", "GPT2EmbeddingPipe"]
-    return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "BertHeadTransformPipe", "BertEmbeddingPipe", "BiasPipe"]
+    return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "NormPipe", "BertEmbeddingPipe", "BiasPipe"]
 
