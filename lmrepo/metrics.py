@@ -1,4 +1,5 @@
 """Training-performance arithmetic (seed 003, Narayanan et al. 2021) and memory readings."""
+import functools
 import os
 import time
 
@@ -53,7 +54,14 @@ def memory_gb(device_type: str) -> float:
     """Peak CUDA memory allocated by this rank on a GPU; the process's resident memory on the CPU."""
     if device_type == "cuda" and torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    return psutil.Process(os.getpid()).memory_info().rss / 2**30
+    return _process(os.getpid()).memory_info().rss / 2**30
+
+
+@functools.lru_cache(maxsize=1)
+def _process(pid: int) -> psutil.Process:
+    # One handle per process (keyed by pid: a forked child gets its own): psutil.Process() reads
+    # /proc/<pid>/stat to identify the process, a third of a millisecond each logged step.
+    return psutil.Process(pid)
 
 
 def measure_cpu_peak_tflops(dtype: str, seconds: float = 2.0) -> float:
