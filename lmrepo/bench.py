@@ -333,7 +333,8 @@ def model_state_memory(spec: dict) -> list[dict]:
                 engine.step()
             params = model_spec["params"]
             rows.append({"model": model_spec["label"], "stage": int(stage), "rank": dist.get_rank(),
-                         "world": dist.get_world_size(), "n_params": params, **held})
+                         "world": dist.get_world_size(), "n_params": params,
+                         "group_sizes": model_spec["group_sizes"], **held})
             engine.destroy()
             del engine
             gc.collect()

@@ -103,6 +103,51 @@ def model_state_bytes(params: int, stage: int, dp: int, offload: str = "none",
     return ModelStates(**held)
 
 
+def optimizer_group_sizes(model: torch.nn.Module) -> list[list[int]]:
+    """The element count of each parameter in each of the optimizer's groups, in the order train.py
+    gives them to DeepSpeed (lmrepo.engine.param_groups: matrices with weight decay, then the rest)."""
+    from lmrepo.engine import param_groups
+
+    return [[p.numel() for p in group["params"]] for group in param_groups(model, weight_decay=0.0)]
+
+
+# stage_1_and_2.py pads each flattened group to a multiple of 2 x dp elements (4-byte alignment of 16-bit values).
+ZERO_ALIGNMENT = 2
+
+
+def zero12_gradient_elements(group_sizes: list[list[int]], dp: int) -> list[int]:
+    """Gradient elements each data-parallel rank holds when DeepSpeed's ZeRO-1/2 optimizer steps,
+    rank by rank. DeepSpeed flattens each group, pads it and splits it into dp equal partitions,
+    but keeps gradients by whole tensor: a rank's buffer (`grads_in_partition`, or the partition's
+    list of gradient tensors at stage 1) holds in full every parameter its partition touches
+    (`get_partition_info`). A tensor that straddles a partition boundary is held whole on both
+    sides, so a tensor larger than a partition (a big vocabulary's embedding) costs its whole size
+    on every rank it spans, where the ZeRO division counts 1/dp of the model."""
+    held = [0] * dp
+    for sizes in group_sizes:
+        aligned = math.ceil(sum(sizes) / (ZERO_ALIGNMENT * dp)) * ZERO_ALIGNMENT * dp
+        size = aligned // dp
+        for rank in range(dp):
+            start, end, offset = rank * size, (rank + 1) * size, 0
+            for n in sizes:
+                if offset < end and offset + n > start:
+                    held[rank] += n
+                offset += n
+    return held
+
+
+def zero12_model_state_bytes(params: int, group_sizes: list[list[int]], stage: int, dp: int,
+                             dtype: str = "bf16") -> list[float]:
+    """Per-rank model states of DeepSpeed's ZeRO-1/2 without offload, rank by rank: the division of
+    model_state_bytes with the gradients as DeepSpeed holds them (zero12_gradient_elements)."""
+    if stage not in (1, 2):
+        raise ValueError("DeepSpeed's whole-tensor gradient layout is ZeRO-1/2's")
+    division = model_state_bytes(params, stage, dp, dtype=dtype).gpu
+    grad_b = bytes_per_param(dtype)[1]
+    divided_grads = grad_b * (params / dp if stage == 2 else params)
+    return [division - divided_grads + grad_b * n for n in zero12_gradient_elements(group_sizes, dp)]
+
+
 def activation_bytes_per_layer(seq: int, micro: int, hidden: int, heads: int) -> float:
     """Korthikanti et al. 2022, eq. 1: one transformer layer keeps s*b*h*(34 + 5*a*s/h) bytes of
     16-bit activations (and 1-byte dropout masks) for its backward: 34*sbh from the inputs of the

@@ -55,8 +55,9 @@ BENCH_KEYS = ["logger=jsonl", "trainer.log_every=1", "trainer.eval_every=0", "tr
               "trainer.save_every=0"]
 QUICK_JOB = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
              "trainer.micro_batch_size=4"]
-# A second model for the memory table: no one tensor near a partition's size (see the table's note).
-EVEN_MODEL = {"n_layer": 8, "vocab_size": 8192}
+# A second model for the memory table, of a real model's shape: GPT-2 124M, whose token embedding
+# is 31% of it (gpt2-tiny's is 80%: see the table's note).
+REFERENCE_MODEL = ("GPT-2 124M", "model=gpt2")
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
@@ -132,13 +133,14 @@ class Bench:
         self.job = [*(QUICK_JOB if self.quick else []), *overrides, *BENCH_KEYS, f"trainer.max_steps={self.steps}"]
         self.failures: list[str] = []
 
-    def compose(self, extra: list[str] = ()):
+    def compose(self, extra: list[str] = (), job: list[str] | None = None):
         from lmrepo.compose import compose_config
 
-        cfg = compose_config([*self.job, *extra], run_dir=self.out / "unused")
+        job = self.job if job is None else job
+        cfg = compose_config([*job, *extra], run_dir=self.out / "unused")
         if cfg.trainer.warmup_steps >= self.steps:  # train.py requires warmup < max_steps; lr does not change speed
-            self.job.append(f"trainer.warmup_steps={self.steps // 2}")
-            return self.compose(extra)
+            job.append(f"trainer.warmup_steps={self.steps // 2}")
+            return self.compose(extra, job)
         return cfg
 
     def spec(self, name: str, **fields) -> Path:
@@ -274,20 +276,31 @@ class Bench:
 
         return count_parameters(meta_model(OmegaConf.create(model)))
 
+    def group_sizes(self, model: dict) -> list[list[int]]:
+        from omegaconf import OmegaConf
+
+        from lmrepo.estimate import meta_model, optimizer_group_sizes
+
+        return optimizer_group_sizes(meta_model(OmegaConf.create(model)))
+
     def memory(self) -> tuple[list | None, str | None]:
+        from omegaconf import OmegaConf
+
         from lmrepo.config import validate
         from lmrepo.errors import ConfigError
 
-        models = [("bench model", {})] if self.quick else [("bench model", {}), ("8 layers, vocab 8192", EVEN_MODEL)]
+        models = [("bench model", self.job)]
+        if not self.quick:  # the job's other keys, the reference model's own shape
+            label, choice = REFERENCE_MODEL
+            models.append((label, [o for o in self.job if not o.startswith(("model.", "model="))] + [choice]))
         spec_models = []
         try:
-            for label, change in models:
-                extra = [f"model.{k}={v}" for k, v in change.items()]
-                configs = {stage: validate(self.compose([*extra, f"zero=stage{stage}", "offload=none"]), 2,
-                                           self.device)[0] for stage in range(4)}
-                model = {**self.model, **change}
+            for label, job in models:
+                cfgs = {stage: self.compose([f"zero=stage{stage}", "offload=none"], job) for stage in range(4)}
+                configs = {stage: validate(cfg, 2, self.device)[0] for stage, cfg in cfgs.items()}
+                model = OmegaConf.to_container(cfgs[0].model, resolve=True)
                 spec_models.append({"label": label, "model": model, "params": self.params(model),
-                                    "ds_configs": configs})
+                                    "group_sizes": self.group_sizes(model), "ds_configs": configs})
         except ConfigError as err:
             return None, str(err)
         per_rank, error = self.worker("memory", "memory", self.spec("memory", models=spec_models), ranks=2)
@@ -464,36 +477,45 @@ def report(r: dict) -> str:
 
 
 def memory_table(rows: list[dict], ds_config: dict) -> str:
-    from lmrepo.estimate import model_state_bytes
+    from lmrepo.estimate import model_state_bytes, zero12_model_state_bytes
 
     dtype = "bf16" if ds_config.get("bf16", {}).get("enabled", True) else "fp32"
     mb = lambda b: f"{b / 1e6:.1f}"
     out = [f"Measured after the second backward, before its optimizer step, on {rows[0]['world']} ranks ({dtype}); "
            "MB = 1e6 bytes. Theory: lmrepo.estimate.model_state_bytes (ZeRO paper, 2+2+12 bytes per parameter "
-           "in mixed precision, divided per stage). Measured: the storages of the engine's own tensors "
-           "(parameters or their ZeRO-3 partitions, gradients and gradient partition buffers, the fp32 master "
-           "copy and Adam moments), not RSS. Buffers (communication buckets) are not model states: listed apart.",
+           "in mixed precision, divided per stage). DeepSpeed's layout: lmrepo.estimate.zero12_model_state_bytes, "
+           "the same with ZeRO-1/2's gradients held by whole tensor, rank by rank. Measured: the storages of the "
+           "engine's own tensors (parameters or their ZeRO-3 partitions, gradients and gradient partition buffers, "
+           "the fp32 master copy and Adam moments), not RSS. Buffers (communication buckets) are not model states: "
+           "listed apart.",
            "",
            "| model (params) | stage | theory | rank: params + grads + optimizer = total | error (worst rank) "
-           "| within 10% | buffers |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           "| within 10% | DeepSpeed's layout, per rank: error (worst rank) | buffers |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (model, stage) in dict.fromkeys((row["model"], row["stage"]) for row in rows):
         ranks = sorted((row for row in rows if (row["model"], row["stage"]) == (model, stage)), key=lambda x: x["rank"])
-        theory = model_state_bytes(ranks[0]["n_params"], stage, ranks[0]["world"], dtype=dtype).gpu
+        params, world = ranks[0]["n_params"], ranks[0]["world"]
+        theory = model_state_bytes(params, stage, world, dtype=dtype).gpu
         totals = [x["params"] + x["grads"] + x["optimizer"] for x in ranks]
         worst = max((t / theory - 1 for t in totals), key=abs)
         held = "; ".join(f"{x['rank']}: {mb(x['params'])} + {mb(x['grads'])} + {mb(x['optimizer'])} = {mb(t)}"
                          for x, t in zip(ranks, totals))
-        out.append(f"| {model} ({ranks[0]['n_params'] / 1e6:.1f}M) | {stage} | {mb(theory)} | {held} | "
-                   f"{100 * worst:+.1f}% | {'yes' if abs(worst) <= 0.10 else 'no'} | "
+        layout = "= theory"
+        if stage in (1, 2) and ranks[0].get("group_sizes"):
+            expected = zero12_model_state_bytes(params, ranks[0]["group_sizes"], stage, world, dtype)
+            off = max((t / expected[x["rank"]] - 1 for x, t in zip(ranks, totals)), key=abs)
+            layout = f"{' / '.join(mb(e) for e in expected)}: {100 * off:+.1f}%"
+        out.append(f"| {model} ({params / 1e6:.1f}M) | {stage} | {mb(theory)} | {held} | "
+                   f"{100 * worst:+.1f}% | {'yes' if abs(worst) <= 0.10 else 'no'} | {layout} | "
                    f"{' / '.join(mb(x['buffers']) for x in ranks)} |")
-    out += ["", "Where measured and theory part: DeepSpeed's ZeRO-1 keeps only its gradient partition once backward "
-            "ends (whole gradients live per reduce bucket during backward), the ZeRO paper's stage 1, and the theory, "
-            "keep all of them. ZeRO-1/2 hold gradients per whole parameter: a rank's gradient buffer holds every "
-            "parameter its partition touches in full (`grads_in_partition` sums their numel), so one tensor that "
-            "straddles the partition boundary (GPT-2's token embedding is 80% of gpt2-tiny) is held whole. ZeRO-3 "
-            "keeps parameters under `stage3_param_persistence_threshold` whole on every rank, and its reduce bucket "
-            "(`reduce_bucket_size` elements) is allocated up front: the buffers column."]
+    out += ["", "Where measured and theory part: DeepSpeed's ZeRO-1/2 hold gradients by whole tensor: a rank's "
+            "gradient buffer holds in full every parameter its partition touches (`get_partition_info`, "
+            "`grads_in_partition`), so a tensor that straddles a partition boundary is held whole on both sides "
+            "(GPT-2's token embedding is 80% of gpt2-tiny: one rank holds every gradient). DeepSpeed's layout "
+            "column counts exactly that. Its ZeRO-1 keeps only those gradients once backward ends (whole "
+            "gradients live per reduce bucket during backward), where the ZeRO paper's stage 1, and the theory, "
+            "keep all of them. ZeRO-3 keeps parameters under `stage3_param_persistence_threshold` whole on every "
+            "rank, and its reduce bucket (`reduce_bucket_size` elements) is allocated up front: the buffers column."]
     return "\n".join(out)
 
 

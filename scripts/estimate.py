@@ -150,6 +150,21 @@ def print_model_states(job: Job, params: int, largest: int) -> None:
              "  figure puts all ranks' copies on every node."))
 
 
+def print_gradient_layout(job: Job, params: int, group_sizes: list[list[int]]) -> None:
+    """ZeRO-1/2 as DeepSpeed holds them: gradients by whole tensor, the worst rank against the division."""
+    if job.dp == 1:
+        return
+    dtype, grad_b = job.cfg.precision.dtype, estimate.bytes_per_param(job.cfg.precision.dtype)[1]
+    held = estimate.zero12_gradient_elements(group_sizes, job.dp)
+    worst = max(range(job.dp), key=held.__getitem__)
+    stage2 = estimate.model_state_bytes(params, 2, job.dp, dtype=dtype).gpu
+    print(f"  DeepSpeed's ZeRO-1/2 (no offload) keep each gradient whole on every rank whose partition it touches:\n"
+          f"  over {job.dp} ranks the worst (rank {worst}) holds {grad_b * held[worst] / GIB:.2f} GiB of gradients, "
+          f"the division {grad_b * params / job.dp / GIB:.2f}: stage 2 takes "
+          f"{estimate.zero12_model_state_bytes(params, group_sizes, 2, job.dp, dtype)[worst] / GIB:.2f} GiB there, "
+          f"not {stage2 / GIB:.2f}")
+
+
 def print_activations(job: Job, checkpointed: int) -> None:
     l, a, h, V = (job.shape[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size"))
     s, b = job.cfg.data.block_size, job.micro
@@ -222,6 +237,7 @@ def main(argv: list[str]) -> None:
               "matrices), untied output embedding and rotary positions do not follow them: trust the exact count)")
     print(f"  largest module (ZeRO-3 gathers it whole)       {largest:>16,}")
     print_model_states(job, params, largest)
+    print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))
     print_activations(job, checkpointed)
     print_compute(job, params, checkpointed, peak)
 

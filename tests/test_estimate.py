@@ -132,6 +132,41 @@ def test_model_states_offload_placement():
             estimate.model_state_bytes(P, stage, N, offload, params)
 
 
+def test_zero12_gradient_layout_by_hand():
+    # One group of 6 + 2 elements over 2 ranks: partitions [0, 4) and [4, 8); the 6-element tensor
+    # straddles the boundary and is held whole on both ranks. A second group of 2: padded to 4, rank 1's half empty.
+    assert estimate.zero12_gradient_elements([[6, 2], [2]], 2) == [6 + 2, 6 + 2 + 0]
+    assert estimate.zero12_gradient_elements([[2, 2, 2, 2]], 2) == [4, 4]  # no tensor straddles: the division
+    assert estimate.zero12_gradient_elements([[16]], 4) == [16] * 4  # one tensor: whole on every rank
+    assert estimate.zero12_gradient_elements([[10]], 4) == [10, 10, 10, 0]  # padded to 16: the last part is padding
+    params, groups = 8, [[6, 2]]
+    # bf16 ZeRO-2 over 2 ranks: 2 bytes/param of parameters, 12/dp optimizer, gradients 2 x held (6, then 6 + 2).
+    assert estimate.zero12_model_state_bytes(params, groups, 2, 2) == [2 * 8 + 2 * 6 + 12 * 4, 2 * 8 + 2 * 8 + 12 * 4]
+    with pytest.raises(ValueError):
+        estimate.zero12_model_state_bytes(params, groups, 3, 2)
+
+
+@pytest.mark.parametrize("dp", [2, 3, 8])
+def test_zero12_gradient_layout_matches_deepspeed_partition_info(dp):
+    """The same partitions DeepSpeed's ZeRO-1/2 optimizer computes (`get_partition_info` over the
+    group flattened and padded to a multiple of 2 x dp, split in dp equal parts), on the real
+    parameter groups of two presets: the tiny one (the embedding is 80% of it) and GPT-2 124M."""
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for preset in ("gpt2-tiny", "gpt2"):
+        groups = estimate.optimizer_group_sizes(estimate.meta_model(compose_config([f"model={preset}"]).model))
+        theirs = [0] * dp
+        for sizes in groups:
+            tensors = [torch.empty(n, device="meta") for n in sizes]
+            padded = -(-sum(sizes) // (2 * dp)) * 2 * dp
+            for rank in range(dp):
+                inside, _, _ = DeepSpeedZeroOptimizer.get_partition_info(None, tensors, padded // dp, rank)
+                theirs[rank] += sum(t.numel() for t in inside)
+        assert estimate.zero12_gradient_elements(groups, dp) == theirs
+        assert max(theirs) > sum(map(sum, groups)) / dp  # whole tensors: more than the division somewhere
+
+
 # DeepSpeed's estimators against ours. Their GPU figures add transients ours leave out on purpose
 # (steady state, ZeRO paper): the fp32 copy of the gradient partition the optimizer step makes
 # without offload (stage_1_and_2.py: `single_partition_of_fp32_groups[i].grad`; 4 bytes/param/dp on
