@@ -26,6 +26,7 @@ with the seeds' bare loop as the common ruler:
    lmrepo.estimate's theoretical division.
 4. torch.compile through DeepSpeed's `engine.compile()` against eager: an eager and a compiled
    bare engine in one process, taking turns of a few steps.
+The noise floor of the paired ratios: the bare loop on two identically built engines in one process.
 Also the CPU's measured matmul peak (bf16, fp32), and the train.py runs' TFLOP/s and MFU against it.
 
 Medians of the steps after the first --warmup of each run. Results also go to <out>/results.md
@@ -251,6 +252,14 @@ class Bench:
             if error:
                 self.failures.append(f"compile: {error}")
 
+        # The noise floor of a paired ratio: the same bare loop on two identically built engines.
+        if ds_config is not None:
+            log("noise floor: the bare loop on two identical engines")
+            result, error = self.worker("bare", "twins", self.spec("twins", ds_config=ds_config, arms=["eager", "twin"]))
+            results["twins"], results["twins_error"] = result and result["bare"], error
+            if error:
+                self.failures.append(f"twins: {error}")
+
         # 3: model-state memory on 2 ranks, after the timing runs (not to disturb them)
         log("model-state memory, ZeRO stages 0-3 on 2 ranks")
         results["memory"], results["memory_error"] = self.memory()
@@ -445,6 +454,18 @@ def report(r: dict) -> str:
     if "hf" in errors:
         add(f"HF Trainer could not be measured: {errors['hf']}")
     add("")
+
+    if r.get("twins"):
+        times = r["twins"]["times"]
+        twin_ratios = [a / b for a, b in zip(steady(times["twin"], w), steady(times["eager"], w))]
+        low, high = interval([twin_ratios])
+        add(f"Noise floor of these paired ratios: the same bare loop on two identically built engines in one "
+            f"process, steps alternating, gives twin / eager = {statistics.median(twin_ratios):.3f} (95% interval "
+            f"{low:.3f}-{high:.3f}): paired ratios no farther from 1 than this are no difference between the loops.")
+        add("")
+    elif r.get("twins_error"):
+        add(f"The noise floor could not be measured: {r['twins_error']}")
+        add("")
 
     add("## 3. Model-state memory per rank")
     add("")

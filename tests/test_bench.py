@@ -27,6 +27,7 @@ def test_bench_quick_prints_every_section(tmp_path):
     for heading in HEADINGS:
         assert heading in proc.stdout
     assert "could not be measured" not in proc.stdout and "failed" not in proc.stdout
+    assert "Noise floor of these paired ratios" in proc.stdout
     assert (tmp_path / "results.md").read_text() in proc.stdout
 
     # What the engines held, counted from their tensors on each rank, against the estimator: the
