@@ -355,7 +355,7 @@ def verdict(value: float, low: float, high: float, target: float) -> str:
     if value <= target:
         word = "**met**"
     elif low <= target:
-        word = f"**not resolved**: above {target}, but its 95% interval reaches it"
+        word = f"**equal within noise**: above {target}, but its 95% interval reaches it"
     else:
         word = "**not met**"
     return f"{word} ({value:.3f}, 95% interval {low:.3f}-{high:.3f})"
