@@ -209,6 +209,21 @@ def test_each_epoch_covers_every_block_once():
     assert len(seen) == len(set(seen)) == (N_BLOCKS // 8) * 8
 
 
+def test_each_epoch_is_the_seeded_permutation_drawn_once():
+    # The order is numpy's permutation seeded with (seed, epoch), as it always was; each stream keeps
+    # only the permutation it drew last, so epochs after epochs hold one in memory.
+    from lmrepo.data import batches
+
+    seed = SEED + 7
+    order = SampleOrder(N_BLOCKS, 8, 8, 0, 1, seed)
+    for epoch in range(5):
+        expected = np.random.default_rng([seed, epoch]).permutation(N_BLOCKS)
+        assert order.stream(epoch * N_BLOCKS, N_BLOCKS).tolist() == expected.tolist()
+    kept = [key for key in batches._LATEST_PERMUTATION if key == (N_BLOCKS, (seed,))]
+    assert kept == [(N_BLOCKS, (seed,))] and batches._LATEST_PERMUTATION[kept[0]][0] == 4
+    assert order.stream(0, 4).tolist() == np.random.default_rng([seed, 0]).permutation(N_BLOCKS)[:4].tolist()
+
+
 @pytest.mark.parametrize("step", [0, 3, 12, 30])
 def test_same_samples_per_step_in_every_layout(step):
     # global batch 8 as (micro 4, dp 2, accum 1), (micro 2, dp 2, accum 2), (micro 8, dp 1, accum 1)

@@ -11,7 +11,6 @@ A mixture of sources (`data=mixture`) keeps that contract: each stream position 
 a source by a seeded shuffle of a fixed pattern that holds every source in proportion to its
 weight, and each source's own blocks are drawn from its own endless per-epoch permutation.
 """
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,15 +48,21 @@ class MixtureBlocks(TokenBlocks):
         return self.parts[k].row(index - int(self.offsets[k]))
 
 
-@functools.lru_cache(maxsize=8)
-def seeded_permutation(n: int, seed: tuple[int, ...]) -> np.ndarray:
-    """A permutation of range(n) drawn from `seed`, read-only. Cached: every step of an epoch reads
-    the same one, and drawing it anew costs a pass over all blocks (~5 ms at 100k blocks, a
-    tenth of a small model's step). A few streams are in flight at once: a mixture's sources and
-    pattern, an epoch boundary."""
-    permutation = np.random.default_rng(list(seed)).permutation(n)
-    permutation.flags.writeable = False
-    return permutation
+# The permutation each stream drew last, by (length, stream seed): (epoch, permutation).
+_LATEST_PERMUTATION: dict[tuple, tuple[int, np.ndarray]] = {}
+
+
+def seeded_permutation(n: int, stream: tuple[int, ...], epoch: int) -> np.ndarray:
+    """A permutation of range(n) drawn from the seed (*stream, epoch), read-only. Each stream keeps
+    the one it drew last: every step of an epoch reads the same one, and drawing it anew costs a
+    pass over all blocks (~5 ms at 100k blocks, a tenth of a small model's step), while keeping
+    only the latest per stream holds memory to one permutation per source, epoch after epoch."""
+    latest = _LATEST_PERMUTATION.get((n, stream))
+    if latest is None or latest[0] != epoch:
+        permutation = np.random.default_rng([*stream, epoch]).permutation(n)
+        permutation.flags.writeable = False
+        latest = _LATEST_PERMUTATION[(n, stream)] = (epoch, permutation)
+    return latest[1]
 
 
 def periodic(start: int, count: int, period: int, cycle) -> np.ndarray:
@@ -81,7 +86,7 @@ class SampleOrder:
     seed: int
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        return seeded_permutation(self.n_blocks, (self.seed, epoch))
+        return seeded_permutation(self.n_blocks, (self.seed,), epoch)
 
     def stream(self, start: int, count: int) -> np.ndarray:
         """Block indices at stream positions [start, start + count), across epoch boundaries."""
@@ -130,7 +135,7 @@ class MixtureOrder(SampleOrder):
     def _pattern(self, index: int) -> np.ndarray:
         """The source of each position of the index-th period: a seeded shuffle of the weighted counts."""
         counts = self._counts
-        return np.repeat(np.arange(len(counts)), counts)[seeded_permutation(MIXTURE_PERIOD, (self.seed, 0, index))]
+        return np.repeat(np.arange(len(counts)), counts)[seeded_permutation(MIXTURE_PERIOD, (self.seed, 0), index)]
 
     def _drawn_before(self, source: int, position: int) -> int:
         """How many of the first `position` samples came from `source`."""
@@ -138,7 +143,7 @@ class MixtureOrder(SampleOrder):
         return index * int(self._counts[source]) + int(np.count_nonzero(self._pattern(index)[:within] == source))
 
     def _source_permutation(self, source: int, epoch: int) -> np.ndarray:
-        return seeded_permutation(self.sizes[source], (self.seed, 1 + source, epoch))
+        return seeded_permutation(self.sizes[source], (self.seed, 1 + source), epoch)
 
     def stream(self, start: int, count: int) -> np.ndarray:
         chosen = periodic(start, count, MIXTURE_PERIOD, self._pattern)
