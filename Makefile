@@ -10,4 +10,4 @@ train: setup
 	$(PY) train.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q --durations=15 tests $(ARGS)
