@@ -3,7 +3,7 @@ markdown table of ratios (issue 7). Nothing here asserts a time: the ratios are 
 the issue's targets.
 
     python scripts/bench.py                   # the default job: gpt2-tiny, bf16, ZeRO-0, 1 rank (~10 min on 2 cores)
-    python scripts/bench.py --quick           # smoke run of every measurement: tiny model, a few steps, ~1 min
+    python scripts/bench.py --quick           # smoke run of every measurement: tiny model, a few steps, ~1.5 min
     python scripts/bench.py model.n_layer=8   # train.py's overrides choose the job (GPT-2 models)
 
 Every arm trains the same model (same preset and seed) on the same batches (the blocks train.py
