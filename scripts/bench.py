@@ -278,25 +278,24 @@ class Bench:
         results["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
         return results
 
+    def meta(self, model: dict):
+        from omegaconf import OmegaConf
+
+        from lmrepo.estimate import meta_model
+
+        return meta_model(OmegaConf.create(model))
+
     def params(self, model: dict) -> int:
-        from omegaconf import OmegaConf
+        from lmrepo.estimate import count_parameters
 
-        from lmrepo.estimate import count_parameters, meta_model
-
-        return count_parameters(meta_model(OmegaConf.create(model)))
-
-    def group_sizes(self, model: dict) -> list[list[int]]:
-        from omegaconf import OmegaConf
-
-        from lmrepo.estimate import meta_model, optimizer_group_sizes
-
-        return optimizer_group_sizes(meta_model(OmegaConf.create(model)))
+        return count_parameters(self.meta(model))
 
     def memory(self) -> tuple[list | None, str | None]:
         from omegaconf import OmegaConf
 
         from lmrepo.config import validate
         from lmrepo.errors import ConfigError
+        from lmrepo.estimate import count_parameters, optimizer_group_sizes
 
         models = [("bench model", self.job)]
         if not self.quick:  # the job's other keys, the reference model's own shape
@@ -308,8 +307,9 @@ class Bench:
                 cfgs = {stage: self.compose([f"zero=stage{stage}", "offload=none"], job) for stage in range(4)}
                 configs = {stage: validate(cfg, 2, self.device)[0] for stage, cfg in cfgs.items()}
                 model = OmegaConf.to_container(cfgs[0].model, resolve=True)
-                spec_models.append({"label": label, "model": model, "params": self.params(model),
-                                    "group_sizes": self.group_sizes(model), "ds_configs": configs})
+                net = self.meta(model)
+                spec_models.append({"label": label, "model": model, "params": count_parameters(net),
+                                    "group_sizes": optimizer_group_sizes(net), "ds_configs": configs})
         except ConfigError as err:
             return None, str(err)
         per_rank, error = self.worker("memory", "memory", self.spec("memory", models=spec_models), ranks=2)
@@ -456,8 +456,7 @@ def report(r: dict) -> str:
     add("")
 
     if r.get("twins"):
-        times = r["twins"]["times"]
-        twin_ratios = [a / b for a, b in zip(steady(times["twin"], w), steady(times["eager"], w))]
+        twin_ratios = ratios([r["twins"]["times"]], "twin", "eager", w)
         low, high = interval([twin_ratios])
         add(f"Noise floor of these paired ratios: the same bare loop on two identically built engines in one "
             f"process, steps alternating, gives twin / eager = {statistics.median(twin_ratios):.3f} (95% interval "
@@ -522,7 +521,7 @@ def memory_table(rows: list[dict], ds_config: dict) -> str:
         held = "; ".join(f"{x['rank']}: {mb(x['params'])} + {mb(x['grads'])} + {mb(x['optimizer'])} = {mb(t)}"
                          for x, t in zip(ranks, totals))
         layout = "= theory"
-        if stage in (1, 2) and ranks[0].get("group_sizes"):
+        if stage in (1, 2):
             expected = zero12_model_state_bytes(params, ranks[0]["group_sizes"], stage, world, dtype)
             off = max((t / expected[x["rank"]] - 1 for x, t in zip(ranks, totals)), key=abs)
             layout = f"{' / '.join(mb(e) for e in expected)}: {100 * off:+.1f}%"
