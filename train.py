@@ -1,25 +1,44 @@
-"""Train GPT-2 or BERT with DeepSpeed, every technique chosen by name through Hydra.
+"""Train GPT-2, BERT or Llama with DeepSpeed, every technique chosen by name through Hydra.
 
     python train.py                                         # tiny GPT-2 on Shakespeare (CPU or 1 GPU)
+    python train.py trainer.max_steps=10                    # a smoke test
     deepspeed --num_gpus 2 train.py zero=stage2             # 2 ranks (gloo on CPU, NCCL on GPUs)
     deepspeed train.py zero=stage3 offload=nvme             # ZeRO-Infinity on every local GPU
     python train.py model=bert-tiny precision=fp32          # masked-LM BERT
     python train.py -m zero=stage0,stage1,stage2,stage3     # a sweep, one job per stage
+    python train.py --help                                  # every key of every group
 """
+from pathlib import Path
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from lmrepo import quiet
+from lmrepo.config import load, register
+from lmrepo.config.messages import one_line_config_errors
+from lmrepo.errors import ConfigError
 from lmrepo.launch import prepare_argv
+from lmrepo.rundir import refuse
 
-prepare_argv()  # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
+prepare_argv()     # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
+register()         # the typed schema conf/train.yaml composes over
+quiet.install()    # library notices that ask nothing of the user; hydra.verbose=true keeps them
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from lmrepo.run import train  # after Hydra: `--help` and config errors stay fast
+    if HydraConfig.get().verbose:
+        quiet.uninstall()
+    try:
+        load(cfg)  # a wrong value stops here, before torch and DeepSpeed are imported
+    except ConfigError as err:
+        refuse(str(err), Path(cfg.run.dir))
+    from lmrepo.run import train
 
     train(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_config_errors():
+        main()

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
-from lmrepo.engine import data_parallel
+from lmrepo.config import ModelConfig, PipelineConfig, from_dict
+from lmrepo.engines.base import Engine
 from lmrepo.errors import ConfigError
 from lmrepo.loop import TrainState
 
@@ -42,11 +43,12 @@ def tag_for(step: int) -> str:
 
 # --- saving (every rank) -------------------------------------------------------------------
 
-def save(engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int, keep_last: int) -> None:
+def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int,
+         keep_last: int) -> None:
     tag = tag_for(state.step)
-    client_state = {"step": state.step, "consumed": state.consumed, "dp_size": data_parallel(engine)[1],
+    client_state = {"step": state.step, "consumed": state.consumed, "dp_size": engine.dp_size,
                     "config": config, "tokenizer_size": tokenizer_size}
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+    engine.save(checkpoint_dir, tag, client_state)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -119,17 +121,15 @@ def check_files(tag_dir: Path) -> Path:
     return states
 
 
-PIPELINE_DEFAULTS = {"engine": None, "stages": 1, "virtual_stages": 1, "partition": "parameters"}
-
-
-def pipeline_layout(pipeline) -> dict:
+def pipeline_layout(pipeline: PipelineConfig) -> dict:
     """What fixes which files a checkpoint has: the pipeline engine, its stages and the layer split.
     Schedules of one engine share the layout (gpipe <-> 1f1b_torch resume each other)."""
-    pipeline = pipeline or {}
-    return {k: pipeline.get(k, default) for k, default in PIPELINE_DEFAULTS.items()}
+    return {"engine": pipeline.engine, "stages": pipeline.stages, "virtual_stages": pipeline.virtual_stages,
+            "partition": pipeline.partition}
 
 
-def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int, pipeline_cfg=None) -> Resume:
+def inspect(directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: int,
+            pipeline_cfg: PipelineConfig | None = None) -> Resume:
     """Reads the checkpoint's client state and refuses one this run cannot continue."""
     tag_dir = directory / tag
     states_file = check_files(tag_dir)
@@ -143,7 +143,7 @@ def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int, pipeline_
                           "point run.resume at an lmrepo checkpoint")
     saved = states["config"]["model"]
     shape_keys = ("family", "n_layer", "n_head", "n_embd", "vocab_size", "pretrained")
-    differs = [k for k in shape_keys if saved.get(k) != model_cfg.get(k)]
+    differs = [k for k in shape_keys if saved.get(k) != getattr(model_cfg, k)]
     if differs:
         raise ConfigError(f"checkpoint {tag_dir} is of another model ({', '.join(f'model.{k}={saved.get(k)}' for k in differs)}): "
                           "resume with the same model settings or point run.resume elsewhere")
@@ -151,7 +151,8 @@ def inspect(directory: Path, tag: str, model_cfg, tokenizer_size: int, pipeline_
     if saved_vocab is not None and saved_vocab != tokenizer_size:
         raise ConfigError(f"checkpoint {tag_dir} was trained with a {saved_vocab}-token vocabulary, this run's tokenizer "
                           f"has {tokenizer_size}: use the same model.tokenizer")
-    saved_layout, layout = pipeline_layout(states["config"].get("pipeline")), pipeline_layout(pipeline_cfg)
+    saved_layout = pipeline_layout(from_dict(PipelineConfig, states["config"].get("pipeline") or {}))
+    layout = pipeline_layout(pipeline_cfg or PipelineConfig())
     if pipeline_cfg is not None and saved_layout != layout:
         differs = ", ".join(f"pipeline.{k}={v}" for k, v in saved_layout.items() if layout[k] != v)
         raise ConfigError(f"checkpoint {tag_dir} was saved with another pipeline layout ({differs}): resume with the "
@@ -185,10 +186,8 @@ def prepare_universal(resume: Resume, dp_size: int) -> Resume:
 
 # --- loading (every rank, after the engine is built) ---------------------------------------
 
-def load(engine, resume: Resume) -> TrainState:
-    path, client_state = engine.load_checkpoint(str(resume.directory), tag=resume.tag)
-    if path is None:
-        raise ConfigError(f"DeepSpeed could not load {resume.directory / resume.tag}: check run.resume")
+def load(engine: Engine, resume: Resume) -> TrainState:
+    engine.load(resume.directory, resume.tag)
     rng_file = resume.directory / resume.tag / f"rng_rank{dist.get_rank():05d}.pt"
     if not resume.universal and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)

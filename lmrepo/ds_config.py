@@ -1,6 +1,8 @@
-"""Composed config -> DeepSpeed config dict. Pure: no I/O, no process group, unit-tested per option."""
-from omegaconf import DictConfig, OmegaConf
-
+"""Loaded config -> DeepSpeed config dict. Pure: no I/O, no process group, unit-tested per option."""
+from lmrepo.config import (CheckpointingConfig, Decay, Dtype, OffloadConfig, OffloadTarget, OptimizerConfig,
+                           PrecisionConfig, ScheduleConfig, TPConfig, TPMode, TrainConfig, ZeroConfig, to_dict)
+from lmrepo.config.parallel import CheckpointingImpl
+from lmrepo.config.training import OptimizerName
 from lmrepo.errors import ConfigError
 
 
@@ -32,64 +34,85 @@ def resolve_batch(global_batch: int | None, micro: int | None, accum: int | None
     return (global_batch, known, other) if micro is not None else (global_batch, other, known)
 
 
-def _plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+def batch_of(ds: dict) -> tuple[int, int, int]:
+    """(global batch, micro batch, gradient accumulation) of a final DeepSpeed dict."""
+    return ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
 
 
-def precision_section(precision: DictConfig) -> dict:
-    if precision.dtype == "fp16":
-        fp16 = {k: v for k, v in _plain(precision).items() if k != "dtype"}
-        return {"fp16": {"enabled": True, **fp16}}
-    return {"bf16": {"enabled": precision.dtype == "bf16"}}
+def precision_section(precision: PrecisionConfig) -> dict:
+    """`precision.dtype` must be resolved (not auto) by now."""
+    if precision.dtype == Dtype.fp16:
+        return {"fp16": {"enabled": True, "loss_scale": precision.loss_scale,
+                         "initial_scale_power": precision.initial_scale_power,
+                         "loss_scale_window": precision.loss_scale_window, "hysteresis": precision.hysteresis,
+                         "min_loss_scale": precision.min_loss_scale}}
+    return {"bf16": {"enabled": precision.dtype == Dtype.bf16}}
 
 
-def zero_section(zero: DictConfig, offload: DictConfig) -> dict:
-    section = _plain(zero)
-    if offload.target == "none":
+def _whole(value):
+    # Sizes are typed float so that 5e8 is accepted; DeepSpeed wants whole numbers.
+    return int(value) if isinstance(value, float) else value
+
+
+def zero_section(zero: ZeroConfig, offload: OffloadConfig) -> dict:
+    section = {k: _whole(v) for k, v in to_dict(zero).items() if v is not None}
+    if offload.target == OffloadTarget.none:
         return section
-    device = {"device": offload.target, "pin_memory": offload.pin_memory}
-    if offload.target == "nvme":
+    device = {"device": str(offload.target), "pin_memory": offload.pin_memory}
+    if offload.target == OffloadTarget.nvme:
         device["nvme_path"] = offload.nvme_path
     section["offload_optimizer"] = dict(device)
-    offload_params = offload.params is True or (offload.params == "auto" and zero.stage == 3)
-    if offload_params:
+    if offload.offloads_params(zero.stage):
         param = dict(device)
-        if offload.target == "nvme":
-            param.update(buffer_count=offload.buffer_count, buffer_size=offload.buffer_size)
+        if offload.target == OffloadTarget.nvme:
+            param.update(buffer_count=offload.buffer_count, buffer_size=_whole(offload.buffer_size))
         section["offload_param"] = param
     return section
 
 
-def scheduler_section(trainer: DictConfig) -> dict:
+# lmrepo's optimizer names -> DeepSpeed's `optimizer` section.
+DEEPSPEED_OPTIMIZERS = {OptimizerName.adamw: ("AdamW", {}), OptimizerName.adam: ("Adam", {"adam_w_mode": False})}
+
+
+def optimizer_section(optimizer: OptimizerConfig) -> dict:
+    kind, extra = DEEPSPEED_OPTIMIZERS[optimizer.name]
+    return {"type": kind, "params": {"lr": optimizer.lr, "betas": list(optimizer.betas), "eps": optimizer.eps,
+                                     "weight_decay": optimizer.weight_decay, **extra}}
+
+
+def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> dict:
+    """`schedule.warmup_steps` must be resolved (not null) by now."""
     # DeepSpeed's schedulers need at least one warmup step: no warmup = one "warmup" step at full lr.
-    start_ratio = 0.0 if trainer.warmup_steps else 1.0
-    warmup = {"warmup_num_steps": max(1, trainer.warmup_steps), "warmup_type": "linear"}
-    if trainer.lr_decay == "cosine":
+    warmup_steps = schedule.warmup_steps
+    start_ratio = 0.0 if warmup_steps else 1.0
+    warmup = {"warmup_num_steps": max(1, warmup_steps), "warmup_type": "linear"}
+    if schedule.name == Decay.cosine:
         return {"type": "WarmupCosineLR", "params": {
-            **warmup, "total_num_steps": trainer.max_steps, "warmup_min_ratio": start_ratio,
-            "cos_min_ratio": trainer.min_lr_ratio}}
+            **warmup, "total_num_steps": max_steps, "warmup_min_ratio": start_ratio,
+            "cos_min_ratio": schedule.min_lr_ratio}}
     # WarmupLR / WarmupDecayLR take absolute learning rates.
-    lrs = {"warmup_min_lr": start_ratio * trainer.lr, "warmup_max_lr": trainer.lr}
-    if trainer.lr_decay == "linear":
-        return {"type": "WarmupDecayLR", "params": {**warmup, **lrs, "total_num_steps": trainer.max_steps}}
+    lrs = {"warmup_min_lr": start_ratio * lr, "warmup_max_lr": lr}
+    if schedule.name == Decay.linear:
+        return {"type": "WarmupDecayLR", "params": {**warmup, **lrs, "total_num_steps": max_steps}}
     return {"type": "WarmupLR", "params": {**warmup, **lrs}}
 
 
-def activation_checkpointing_section(checkpointing: DictConfig) -> dict:
-    if not checkpointing.enabled or checkpointing.impl != "deepspeed":
+def activation_checkpointing_section(checkpointing: CheckpointingConfig) -> dict:
+    if not checkpointing.enabled or checkpointing.impl != CheckpointingImpl.deepspeed:
         return {}
     keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
             "number_checkpoints", "synchronize_checkpoint_boundary")
-    return {"activation_checkpointing": {k: checkpointing[k] for k in keys}}
+    return {"activation_checkpointing": {k: getattr(checkpointing, k) for k in keys}}
 
 
-def tensor_parallel_section(tp: DictConfig) -> dict:
+def tensor_parallel_section(tp: TPConfig) -> dict:
     """tp=auto: DeepSpeed's AutoTP training shards the model's linears over tp.size ranks."""
-    return {"tensor_parallel": {"autotp_size": tp.size}} if tp.mode == "auto" else {}
+    return {"tensor_parallel": {"autotp_size": tp.size}} if tp.mode == TPMode.auto else {}
 
 
-def build_ds_config(cfg: DictConfig, dp_size: int) -> dict:
-    trainer = cfg.trainer
+def build_ds_config(config: TrainConfig, dp_size: int) -> dict:
+    """The DeepSpeed dict of a loaded config (autos resolved), before a user's JSON is laid over it."""
+    trainer = config.trainer
     global_batch, micro, accum = resolve_batch(
         trainer.global_batch_size, trainer.micro_batch_size, trainer.grad_accum, dp_size)
     ds = {
@@ -97,66 +120,16 @@ def build_ds_config(cfg: DictConfig, dp_size: int) -> dict:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": trainer.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": trainer.lr, "betas": list(trainer.betas), "eps": trainer.eps,
-            "weight_decay": trainer.weight_decay}},
-        "scheduler": scheduler_section(trainer),
-        **precision_section(cfg.precision),
-        "zero_optimization": zero_section(cfg.zero, cfg.offload),
-        **activation_checkpointing_section(cfg.checkpointing),
-        **tensor_parallel_section(cfg.tp),
+        "optimizer": optimizer_section(config.optimizer),
+        "scheduler": scheduler_section(config.schedule, config.optimizer.lr, trainer.max_steps),
+        **precision_section(config.precision),
+        "zero_optimization": zero_section(config.zero, config.offload),
+        **activation_checkpointing_section(config.checkpointing),
+        **tensor_parallel_section(config.tp),
         # lmrepo logs its own metrics; DeepSpeed's periodic prints would interleave with them.
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if cfg.offload.target == "nvme":
-        ds["aio"] = _plain(cfg.offload.aio)
+    if config.offload.target == OffloadTarget.nvme:
+        ds["aio"] = to_dict(config.offload.aio)
     return ds
-
-
-def merge_user_config(ours: dict, user: dict, dp_size: int, prefix: str = "") -> tuple[dict, list[str]]:
-    """Lay a user's DeepSpeed JSON over ours: what it sets wins, "auto" keeps ours (as in the
-    Hugging Face integration). Returns the merged dict and the dotted keys the user changed."""
-    merged, changed = dict(ours), []
-    for key, value in user.items():
-        path = f"{prefix}{key}"
-        if value == "auto":
-            continue
-        # Another optimizer or scheduler type takes none of our params: the user's section replaces ours.
-        replaces = isinstance(value, dict) and "type" in value and value["type"] != ours.get(key, {}).get("type")
-        if isinstance(value, dict) and isinstance(ours.get(key), dict) and not replaces:
-            merged[key], sub = merge_user_config(ours[key], value, dp_size, prefix=f"{path}.")
-            changed += sub
-        elif ours.get(key) != value:
-            merged[key] = value
-            changed.append(path)
-    if not prefix:
-        _exclusive_precision(merged, user)
-        _reconcile_batch(merged, user, dp_size)
-    return merged, changed
-
-
-def _exclusive_precision(merged: dict, user: dict) -> None:
-    """A JSON that enables fp16 (or bf16) chooses the precision: ours is switched off."""
-    for chosen, other in (("fp16", "bf16"), ("bf16", "fp16")):
-        if user.get(chosen, {}).get("enabled") is True and merged.get(other, {}).get("enabled"):
-            merged[other] = {**merged[other], "enabled": False}
-
-
-def _reconcile_batch(merged: dict, user: dict, dp_size: int) -> None:
-    """A user JSON that sets only some of the batch keys (seed 004 sets only the micro batch)
-    decides the batch: ours fill in only what it leaves open, as DeepSpeed derives them."""
-    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    given = {k: user[k] for k in keys if k in user and user[k] != "auto"}
-    if not given:
-        return
-    if len(given) == 1:
-        # One key alone: keep our micro batch and derive the rest from it.
-        if "train_batch_size" not in given:
-            given.setdefault("gradient_accumulation_steps", merged["gradient_accumulation_steps"])
-        given.setdefault("train_micro_batch_size_per_gpu", merged["train_micro_batch_size_per_gpu"])
-    try:
-        triple = resolve_batch(given.get(keys[0]), given.get(keys[1]), given.get(keys[2]), dp_size)
-    except ConfigError as err:
-        raise ConfigError(f"deepspeed_config batch keys: {err}") from None
-    merged.update(zip(keys, triple))

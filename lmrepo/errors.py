@@ -1,4 +1,7 @@
-"""The one exception type for user mistakes: train.py prints its message as one line and exits 2."""
+"""The exception types for what the user must change, and the one way such a mistake ends a command."""
+import os
+import sys
+from typing import NoReturn
 
 
 class ConfigError(Exception):
@@ -7,3 +10,16 @@ class ConfigError(Exception):
 
 class TrainingError(Exception):
     """A run that cannot go on (a non-finite loss, ...); the message says what to change."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Every rule of the config reads as one line: require(rule, what to change)."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def exit_error(message: str, code: int = 2) -> NoReturn:
+    """One `lmrepo: error:` line on stderr (rank 0 only: every rank reaches the same verdict), then exit."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"lmrepo: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)

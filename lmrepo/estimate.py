@@ -105,8 +105,8 @@ def model_state_bytes(params: int, stage: int, dp: int, offload: str = "none",
 
 def optimizer_group_sizes(model: torch.nn.Module) -> list[list[int]]:
     """The element count of each parameter in each of the optimizer's groups, in the order train.py
-    gives them to DeepSpeed (lmrepo.engine.param_groups: matrices with weight decay, then the rest)."""
-    from lmrepo.engine import param_groups
+    gives them to DeepSpeed (lmrepo.engines.deepspeed.param_groups: matrices with weight decay, then the rest)."""
+    from lmrepo.engines.deepspeed import param_groups
 
     return [[p.numel() for p in group["params"]] for group in param_groups(model, weight_decay=0.0)]
 

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from lmrepo import checkpoint
+from lmrepo.config import ModelConfig, from_dict
 from lmrepo.errors import ConfigError
 from lmrepo.models import FAMILIES, pipe
 from lmrepo.tokenizer import load_tokenizer
@@ -43,7 +43,7 @@ def export(source: str, out: Path) -> Path:
     if tp.get("mode") == "auto":
         raise ConfigError(f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank saved "
                           "its own slice of the weights and export does not join them; export a tp=none run")
-    model_cfg = OmegaConf.create(states["config"]["model"])
+    model_cfg = from_dict(ModelConfig, states["config"]["model"])
     family = FAMILIES[model_cfg.family]
     hf_config = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
     model = family.MODEL_CLASS(hf_config)

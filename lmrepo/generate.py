@@ -198,7 +198,7 @@ def run(options: Options) -> dict:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         import deepspeed
 
-        from lmrepo.engine import init_distributed
+        from lmrepo.launch import init_distributed
 
         init_distributed()
         model = deepspeed.init_inference(model, tensor_parallel={"tp_size": world}, dtype=dtype,
@@ -229,7 +229,7 @@ def main(argv: list[str]) -> None:
     if result["world"] > 1:
         import torch.distributed as dist
 
-        from lmrepo.engine import release_shm_buffer
+        from lmrepo.launch import release_shm_buffer
 
         release_shm_buffer()
         dist.destroy_process_group()

@@ -3,6 +3,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -67,12 +68,38 @@ def adopt_slurm_env() -> None:
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (for MASTER_PORT / the launcher's --master_port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ensure_single_process_env() -> None:
     """A plain `python train.py` has no launcher: without these, deepspeed.init_distributed
     falls back to MPI discovery and dies on the missing mpi4py."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def init_distributed() -> None:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from lmrepo.quiet import quiet_prints
+
+    ensure_single_process_env()
+    # gloo on CPU (ccl when oneCCL is installed), NCCL on CUDA: the accelerator knows.
+    with quiet_prints():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def release_shm_buffer() -> None:
+    """DeepSpeed's CPU all-reduce (shm comm op) leaves its per-rank buffer in /dev/shm, named
+    after the master address and port, when the process exits: a machine that runs many jobs
+    fills its shared memory (seen here: 15 GB, then the OOM killer). Each rank unlinks its own;
+    the mapping stays valid until the process exits."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}")
+    Path("/dev/shm", name).unlink(missing_ok=True)

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from lmrepo.config import TrainerConfig
+from lmrepo.engines.base import Engine
 from lmrepo.errors import TrainingError
 from lmrepo.metrics import memory_gb
 
@@ -51,73 +53,31 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _to_device(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values)
     return values
 
 
-def is_pipeline(engine) -> bool:
-    """DeepSpeed's PipelineEngine, or lmrepo's torch.distributed.pipelining engine."""
-    return bool(getattr(engine, "pipeline_parallelism", False))
-
-
-def _pipeline_inputs(batches: list[dict]):
-    # A pipeline feeds the first stage the inputs and the last stage the labels.
-    return iter([(batch["input_ids"], batch["labels"]) for batch in batches])
-
-
-def train_step(engine, batches: list[dict]) -> torch.Tensor:
-    """Forward and backward over the step's micro batches, then the optimizer step; returns the
-    mean loss of this rank's micro batches (a pipeline: of its replica's, on every stage)."""
-    if is_pipeline(engine):
-        return engine.train_batch(_pipeline_inputs(batches)).detach().float()
-    losses = []
-    for batch in batches:
-        loss = engine(**_to_device(batch, engine.device)).loss
-        engine.backward(loss)
-        engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
-        losses.append(loss.detach().float())
-    return torch.stack(losses).mean()
-
-
-@torch.no_grad()
-def evaluate(engine, data) -> float:
-    engine.eval()
-    batches = data.eval_batches()
-    if is_pipeline(engine):
-        mean = engine.eval_batch(_pipeline_inputs(batches), num_micro_batches=len(batches)).float()
-    else:
-        mean = torch.stack([engine(**_to_device(batch, engine.device)).loss.float() for batch in batches]).mean()
-    engine.train()
+def evaluate(engine: Engine, data) -> float:
+    """The held-out loss, averaged over every rank."""
+    mean = engine.eval_loss(data.eval_batches())
     return (_sum_over_ranks(mean.cpu().reshape(1)) / dist.get_world_size()).item()
 
 
-def loss_scale_record(engine) -> dict:
-    """fp16 only (GPU): the dynamic loss scale and how many steps overflowed and were skipped."""
-    if not engine.fp16_enabled():
-        return {}
-    return {"loss_scale": float(engine.optimizer.loss_scale), "skipped_steps": int(engine.skipped_steps)}
-
-
-def fit(engine, data, trainer, throughput: Throughput, sinks, state: TrainState, save, stop: StopRequest | None,
-        is_rank0: bool, min_loss_scale: float | None = None) -> tuple[dict, str | None]:
+def fit(engine: Engine, data, trainer: TrainerConfig, throughput: Throughput, sinks, state: TrainState, save,
+        stop: StopRequest | None, is_rank0: bool, min_loss_scale: float | None = None) -> tuple[dict, str | None]:
     """Trains until trainer.max_steps or a stop request. `save(state)` runs on every rank at the
     checkpoint cadence and before stopping. Returns (last record, the stop signal's name or None)."""
-    engine.train()
     bar = tqdm(total=trainer.max_steps, initial=state.step, disable=not is_rank0, dynamic_ncols=True, desc="train")
     # Throughput counts training steps only: evaluation and checkpoint time stay out of the window.
     window_seconds, window_steps, last, stopped = 0.0, 0, {}, None
     fit_start = time.perf_counter()
     while state.step < trainer.max_steps and not stopped:
         step_start = time.perf_counter()
-        lr = engine.get_lr()[0]  # the rate this step uses (the scheduler advances inside engine.step)
+        lr = engine.lr()  # the rate this step uses (the scheduler advances inside the step)
 
-        loss = train_step(engine, data.train_step(state.consumed))
+        loss = engine.train_step(data.train_step(state.consumed))
         state.step += 1
         state.consumed += data.layout.global_batch
         window_steps += 1
@@ -128,19 +88,19 @@ def fit(engine, data, trainer, throughput: Throughput, sinks, state: TrainState,
         flags = _sum_over_ranks(flags)
         loss_value = flags[0].item() / dist.get_world_size()
         if not torch.isfinite(flags[0]):
-            raise TrainingError(f"the loss became {loss_value} at step {state.step}: lower trainer.lr or raise "
-                                "trainer.warmup_steps (fp16: use precision=bf16); the last checkpoint is kept")
+            raise TrainingError(f"the loss became {loss_value} at step {state.step}: lower optimizer.lr or raise "
+                                "schedule.warmup_steps (fp16: use precision=bf16); the last checkpoint is kept")
         if flags[1] > 0:
             stopped = (stop.signal_name if stop is not None and stop.signal_name else "SIGTERM")
 
         # log: throughput over the window since the last log
         if state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped:
             last = {"step": state.step, "loss": loss_value, "lr": lr, "tokens": state.consumed * data.block_tokens,
-                    **throughput.record(window_steps, window_seconds), **loss_scale_record(engine),
+                    **throughput.record(window_steps, window_seconds), **engine.step_record(),
                     "elapsed_s": time.perf_counter() - fit_start, "time": time.time()}
             if min_loss_scale is not None and last.get("loss_scale", float("inf")) <= min_loss_scale \
-                    and engine.skipped_steps >= state.step // 2:
-                raise TrainingError(f"fp16 loss scale stuck at its minimum {min_loss_scale} with {engine.skipped_steps} "
+                    and last["skipped_steps"] >= state.step // 2:
+                raise TrainingError(f"fp16 loss scale stuck at its minimum {min_loss_scale} with {last['skipped_steps']} "
                                     f"of {state.step} steps skipped (overflow): use precision=bf16")
             if is_rank0:
                 sinks.log(last)

@@ -1,17 +1,22 @@
 """Training-performance arithmetic (seed 003, Narayanan et al. 2021) and memory readings."""
 import functools
 import os
-import time
 
 import psutil
 import torch
 
-# Dense peak TFLOP/s per device (vendor datasheets, no sparsity), for MFU.
+# Dense peak TFLOP/s per device (NVIDIA datasheets, half the "with sparsity" figures), for MFU.
+# The H100 and H200 come in forms with other clocks and power: the first entry whose words all
+# appear in torch.cuda.get_device_name() wins ("NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+# "NVIDIA H100 80GB HBM3" is the SXM module).
 PEAK_TFLOPS = {
-    "V100": {"fp32": 15.7, "fp16": 125.0},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
-    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    ("H100", "PCIE"): {"fp32": 51.2, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
+    ("H100", "NVL"): {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+    ("H100",): {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    ("H200", "NVL"): {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+    ("H200",): {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    ("A100",): {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    ("V100",): {"fp32": 15.7, "fp16": 125.0},
 }
 
 
@@ -38,8 +43,9 @@ def peak_tflops(device_name: str, dtype: str, override: float | None) -> float |
     """The device's dense peak, or None when unknown (the CPU): MFU is then not reported."""
     if override:
         return float(override)
-    for gpu, table in PEAK_TFLOPS.items():
-        if gpu in device_name.upper():
+    name = device_name.upper()
+    for words, table in PEAK_TFLOPS.items():
+        if all(word in name for word in words):
             return table.get(dtype) or table.get("fp32")
     return None
 
@@ -62,23 +68,3 @@ def _process(pid: int) -> psutil.Process:
     # One handle per process (keyed by pid: a forked child gets its own): psutil.Process() reads
     # /proc/<pid>/stat to identify the process, a third of a millisecond each logged step.
     return psutil.Process(pid)
-
-
-def measure_cpu_peak_tflops(dtype: str, seconds: float = 2.0) -> float:
-    """The CPU's matmul peak in `dtype` (fp32, bf16, fp16), measured: the best TFLOP/s of repeated
-    square 2048 x 2048 torch.matmul with torch's current thread count, over about `seconds`.
-    The best run, not the mean: MFU is measured against what the CPU can reach, and other
-    processes on the machine only ever slow a run down."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    n = 2048
-    a, b = torch.randn(n, n).to(torch_dtype), torch.randn(n, n).to(torch_dtype)
-    out = torch.empty(n, n, dtype=torch_dtype)
-    torch.matmul(a, b, out=out)  # the first call picks and packs the kernel (oneDNN / MKL)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        start = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        end = time.perf_counter()
-        best = max(best, 2 * n**3 / (end - start) / 1e12)
-        if end >= deadline:
-            return best

@@ -2,16 +2,20 @@
 import json
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
+
+from lmrepo.errors import exit_error
 
 
-def write_config_files(run_dir: Path, cfg: DictConfig, ds_config: dict) -> None:
-    """Rank 0, after validation: so a rejected config leaves nothing behind."""
+def write_config_files(run_dir: Path, config: dict, ds_config: dict) -> None:
+    """Rank 0, after validation: so a rejected config leaves nothing behind. `config` is the
+    loaded config with its autos resolved (precision, warmup): what the run really used."""
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, hydra_dir / "config.yaml", resolve=True)
+    OmegaConf.save(OmegaConf.create(config), hydra_dir / "config.yaml")
     if HydraConfig.initialized():
         hydra = HydraConfig.get()
         OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra, resolve=False)}), hydra_dir / "hydra.yaml")
@@ -31,6 +35,13 @@ def write_status(run_dir: Path, status: str, started: float, **details) -> None:
     """status.json: how the job ended (completed / failed with its error), for sweeps and compare.py."""
     record = {"status": status, "wall_s": time.time() - started, **details}
     (run_dir / "status.json").write_text(json.dumps(record, indent=2))
+
+
+def refuse(message: str, run_dir: Path | None, code: int = 2) -> NoReturn:
+    """A job that cannot run: one `lmrepo: error:` line, and the empty directory Hydra made for it gone."""
+    if run_dir is not None:
+        remove_if_empty(run_dir)
+    exit_error(message, code)
 
 
 def remove_if_empty(run_dir: Path) -> None:

@@ -16,17 +16,12 @@ No process group, no GPU, nothing written. A bad argument: one line on stderr, e
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
 
-from hydra.errors import HydraException
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
-
-from lmrepo.compose import compose_config
 from lmrepo import estimate
-from lmrepo.config import check_checkpointing, check_layout, check_model, check_trainer, model_shape
-from lmrepo.ds_config import resolve_batch, zero_section
-from lmrepo.errors import ConfigError
+from lmrepo.compose import load_config
+from lmrepo.config import TrainConfig, layout_check
+from lmrepo.ds_config import resolve_batch
+from lmrepo.errors import ConfigError, exit_error
 from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 
 
@@ -36,9 +31,7 @@ OFFLOADS = ("none", "cpu", "nvme")
 GIB = 2**30
 
 
-def fail(message: str) -> NoReturn:
-    print(f"lmrepo: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+fail = exit_error
 
 
 def split_args(argv: list[str]) -> tuple[dict, list[str]]:
@@ -72,7 +65,7 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
 
 @dataclass
 class Job:
-    cfg: DictConfig
+    cfg: TrainConfig
     own: dict
     shape: dict
     dp: int
@@ -85,21 +78,16 @@ def load_job(argv: list[str]) -> Job:
     """The composed config, held to train.py's checks that do not need a device or the data."""
     own, overrides = split_args(argv)
     try:
-        cfg = compose_config(overrides)
-        check_trainer(cfg.trainer)
-        check_model(cfg.model, cfg.data)
-        check_checkpointing(cfg.checkpointing, cfg.model)
-        dp = check_layout(cfg, own["world"])
+        cfg = load_config(overrides)
+        if cfg.precision.dtype == "auto":  # planning for GPUs of compute capability >= 8.0, where auto is bf16
+            cfg.precision.dtype = "bf16"
+        dp = layout_check(cfg, own["world"])
         global_batch, micro, _ = resolve_batch(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
                                                cfg.trainer.grad_accum, dp)
-        return Job(cfg, own, model_shape(cfg.model), dp, global_batch, micro,
-                   offload_params="offload_param" in zero_section(cfg.zero, cfg.offload))
-    except (HydraException, OmegaConfBaseException) as err:
-        fail(str(err).strip().splitlines()[0])
+        return Job(cfg, own, cfg.model.shape(), dp, global_batch, micro,
+                   offload_params=cfg.offload.offloads_params(cfg.zero.stage))
     except ConfigError as err:
         fail(str(err))
-    except TypeError as err:  # the YAML has no schema: `trainer.micro_batch_size=abc` composes
-        fail(f"a value has the wrong type ({err}): check the numbers given on the command line")
 
 
 def deepspeed_figures(params: int, largest: int, stage: int, offload: str, offload_params: bool,

@@ -12,22 +12,11 @@ whether it was reused from the cache. A bad argument or corpus: one line on stde
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from lmrepo.compose import compose_config
+from lmrepo.compose import load_config
 from lmrepo.data.prepare import load_meta, prepare_sources
-from lmrepo.errors import ConfigError
+from lmrepo.errors import ConfigError, exit_error
 from lmrepo.tokenizer import load_tokenizer
-
-
-
-def fail(message: str) -> NoReturn:
-    print(f"lmrepo: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
 
 
 
@@ -41,21 +30,19 @@ def describe(directory: Path, reused: bool, weight: float | None) -> str:
 
 def main(argv: list[str]) -> None:
     try:
-        cfg = compose_config(argv)
+        config = load_config(argv)
         try:
-            tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.pretrained)
+            tokenizer = load_tokenizer(config.model.tokenizer, config.model.pretrained)
         except OSError as err:
-            raise ConfigError(f"model.tokenizer={cfg.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
+            raise ConfigError(f"model.tokenizer={config.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
         started = time.time()
-        prepared = prepare_sources(cfg.data, tokenizer)
-    except (HydraException, OmegaConfBaseException) as err:
-        fail(str(err).strip().splitlines()[0])
+        prepared = prepare_sources(config.data, tokenizer)
     except ConfigError as err:
-        fail(str(err))
+        exit_error(str(err))
     for directory, weight in prepared:
         # A directory prepare() built now has a meta.json written after we started.
         reused = (directory / "meta.json").stat().st_mtime < started
-        print(describe(directory, reused, weight if cfg.data.source == "mixture" else None))
+        print(describe(directory, reused, weight if config.data.source == "mixture" else None))
 
 
 if __name__ == "__main__":

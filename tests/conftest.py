@@ -1,7 +1,8 @@
 """Shared test helpers: compose real configs, and launch real train.py runs on the CPU.
 
-Every run uses TINY (a 2-layer, 64-wide GPT-2 on 32-token blocks) and a token cache shared by
-the whole session, so the Shakespeare corpus is tokenized once.
+Every run uses TINY (a 2-layer, 64-wide GPT-2 on 32-token blocks, fp32: a test that is about a
+precision says so) and a token cache shared by the whole session, so the Shakespeare corpus is
+tokenized once.
 """
 import json
 import os
@@ -12,6 +13,13 @@ from pathlib import Path
 import pytest
 
 from lmrepo.compose import compose_config  # noqa: F401  (tests import it from here)
+from lmrepo.device import Device
+from lmrepo.launch import free_port  # noqa: F401  (tests import it from here)
+
+# Devices as DeepSpeed's accelerators describe them, for checks that depend on the hardware.
+CPU = Device("cpu", fp16=False, bf16=True, native_bf16=True, description="CPU (test)")
+CPU_WITHOUT_BF16 = Device("cpu", fp16=False, bf16=True, native_bf16=False, description="CPU (test, AVX2)")
+GPU = Device("cuda", fp16=True, bf16=True, native_bf16=True, description="GPU (test, compute capability 8.0)")
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -19,8 +27,8 @@ PYTHON = sys.executable
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
-        "trainer.micro_batch_size=4", "trainer.max_steps=6", "trainer.warmup_steps=1",
-        "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2", "logger=jsonl"]
+        "trainer.micro_batch_size=4", "trainer.max_steps=6", "schedule.warmup_steps=1",
+        "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2", "logger=jsonl", "precision=fp32"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -85,12 +93,13 @@ def env_without_wandb_key(home: Path) -> dict:
     return env
 
 
-def free_port() -> int:
-    import socket
+def validate(cfg, world: int, device: Device) -> tuple[dict, list[str]]:
+    """train.py's checks of a composed config for `world` ranks on `device`: (DeepSpeed dict,
+    keys the user's JSON changed), or a ConfigError."""
+    from lmrepo.run import plan
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    job = plan(cfg, world, device)
+    return job.ds_config, job.user_changed
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -11,25 +11,27 @@ from transformers import set_seed
 
 from lmrepo.compose import compose_config
 from lmrepo.data.loader import Layout, LMData
-from lmrepo.engine import build_engine, data_parallel, init_distributed
-from lmrepo.launch import prepare_argv
-from lmrepo.loop import _pipeline_inputs
+from lmrepo.ds_config import batch_of
+from lmrepo.engines import build_engine
+from lmrepo.engines.base import pipeline_inputs
+from lmrepo.launch import init_distributed, prepare_argv
 from lmrepo.models import build_model
 from lmrepo.run import prepare_job
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    cfg = compose_config(overrides, run_dir=out)
-    _, ds, _, tokenizer, sources, _ = prepare_job(cfg, out)
+    job, tokenizer, sources, _ = prepare_job(compose_config(overrides, run_dir=out), out)
+    cfg, ds = job.config, job.ds_config
     init_distributed()
     set_seed(cfg.trainer.seed)
-    engine = build_engine(cfg.model, cfg.checkpointing, ds, pipeline=cfg.pipeline)
-    dp_rank, dp_size = data_parallel(engine)
+    lmrepo_engine = build_engine(cfg, ds)
+    global_batch, micro_batch, _ = batch_of(ds)
     data = LMData(sources, cfg.data.block_size, cfg.model.family, tokenizer,
-                  Layout(ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], dp_rank, dp_size),
+                  Layout(global_batch, micro_batch, lmrepo_engine.dp_rank, lmrepo_engine.dp_size),
                   cfg.trainer.seed, cfg.trainer.eval_batches)
     batches = data.train_step(0)
 
+    engine = lmrepo_engine.ds  # DeepSpeed's PipelineEngine
     module, recorded = engine.module, {}
     take_model_step = engine._take_model_step
 
@@ -48,7 +50,7 @@ def main(out: Path, overrides: list[str]) -> None:
 
     engine._take_model_step = record_then_step
     engine.optimizer.step = record_clip_then_step
-    engine.train_batch(_pipeline_inputs(batches))
+    engine.train_batch(pipeline_inputs(batches))
     rank = dist.get_rank()
     torch.save({"grad": recorded["grad"], "weight": tied.detach().clone(), "clip_coef": recorded["clip_coef"]},
                out / f"tied_rank{rank}.pt")

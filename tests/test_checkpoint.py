@@ -83,7 +83,7 @@ def logged_steps(run_dir: Path) -> int:
 
 def test_sigterm_saves_and_stops_then_auto_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.lr_decay=constant"]
+    overrides = ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "schedule=constant"]
     proc = popen_two_ranks(overrides, run_dir)
     wait_for(lambda: logged_steps(run_dir) >= 3)
     # As Slurm's pre-emption and a terminal's Ctrl-C do: the signal reaches every process of the job.

@@ -8,13 +8,12 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from conftest import CONF, compose_config
-from lmrepo.config import Device, model_shape, validate
-from lmrepo.ds_config import build_ds_config, merge_user_config, resolve_batch
+from conftest import CONF, CPU, CPU_WITHOUT_BF16, GPU, compose_config, validate
+from lmrepo.compose import load_config
+from lmrepo.ds_config import resolve_batch
 from lmrepo.errors import ConfigError
+from lmrepo.run import plan
 
-CPU = Device("cpu", fp16=False, bf16=True)
-GPU = Device("cuda", fp16=True, bf16=True)
 MANDATORY = {"data=text": "data.paths", "data=json": "data.paths", "data=hf": "data.name", "data=mixture": "data.sources"}
 
 # Seed 004's ds_config.json, verbatim.
@@ -69,7 +68,7 @@ def option_yaml(group: str, option: str) -> dict:
 
 
 def ds_for(overrides: list[str], dp_size: int = 1) -> dict:
-    return build_ds_config(compose_config(overrides), dp_size)
+    return validate(compose_config(overrides), dp_size, GPU)[0]
 
 
 def libaio_available() -> bool:
@@ -97,9 +96,11 @@ def test_every_experiment_recipe_composes_and_validates(recipe, tmp_path):
     Every job of a recipe's sweep must pass validation (on a GPU: the precision sweep has fp16)."""
     from hydra import compose, initialize_config_dir
 
+    from lmrepo.config import register
     from lmrepo.launch import register_resolvers
 
     register_resolvers()
+    register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"experiment={recipe}", f"run.dir={tmp_path}"],
                       return_hydra_config=True)
@@ -113,14 +114,15 @@ def test_every_experiment_recipe_composes_and_validates(recipe, tmp_path):
         # The recipe's plain keys win over conf/train.yaml's.
         for key, value in OmegaConf.to_container(recipe_yaml.get("trainer", {})).items():
             assert job_cfg.trainer[key] == value, f"{recipe}: trainer.{key}"
-        validate(job_cfg, cfg.launcher.ranks, Device("cuda", fp16=True, bf16=True))
+        validate(job_cfg, cfg.launcher.ranks, GPU)
 
 
 @pytest.mark.parametrize("option", all_options())
 def test_option_composes_to_its_yaml(option):
+    """Each option's keys reach the config as its YAML writes them (the schema fills the rest)."""
     group, name = option.split("=")
-    cfg = compose_config([option])
-    assert OmegaConf.to_container(cfg[group], resolve=False) == option_yaml(group, name)
+    composed = OmegaConf.to_container(compose_config([option])[group], resolve=False, enum_to_str=True)
+    assert {key: composed[key] for key in option_yaml(group, name)} == option_yaml(group, name)
 
 
 @pytest.mark.parametrize("option", all_options())
@@ -225,7 +227,7 @@ def test_checkpointing_torch_impl_has_no_section(option):
 @pytest.mark.parametrize("decay, scheduler", [("cosine", "WarmupCosineLR"), ("linear", "WarmupDecayLR"),
                                               ("constant", "WarmupLR")])
 def test_scheduler_per_lr_decay(decay, scheduler):
-    ds = ds_for([f"trainer.lr_decay={decay}", "trainer.max_steps=77", "trainer.warmup_steps=5"])
+    ds = ds_for([f"schedule={decay}", "trainer.max_steps=77", "schedule.warmup_steps=5"])
     assert ds["scheduler"]["type"] == scheduler
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 5
     if decay != "constant":
@@ -283,42 +285,100 @@ def test_resolve_batch_rejects(args, message):
 
 # --- a user's DeepSpeed JSON -----------------------------------------------------------------
 
-def test_merge_user_keys_win_and_are_reported():
+def ds_with_json(tmp_path, user: dict, overrides=(), dp: int = 1, device=GPU) -> tuple[dict, list[str]]:
+    path = write_json(tmp_path, json.dumps(user))
+    return validate(compose_config([f"deepspeed_config={path}", *overrides]), dp, device)
+
+
+def test_merge_user_keys_win_and_are_reported(tmp_path):
     ours = ds_for([])
-    merged, changed = merge_user_config(ours, {"gradient_clipping": 0.5, "steps_per_print": ours["steps_per_print"],
-                                               "zero_optimization": {"stage": 1, "reduce_bucket_size": 5}}, 1)
+    merged, changed = ds_with_json(tmp_path, {"gradient_clipping": 0.5, "steps_per_print": ours["steps_per_print"],
+                                              "zero_optimization": {"stage": 1, "reduce_bucket_size": 5}})
     assert merged["gradient_clipping"] == 0.5
     assert merged["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}
     assert changed == ["gradient_clipping", "zero_optimization.stage", "zero_optimization.reduce_bucket_size"]
 
 
-def test_merge_auto_keeps_ours():
+def test_merge_auto_keeps_ours(tmp_path):
     ours = ds_for([])
-    merged, changed = merge_user_config(ours, {"train_batch_size": "auto", "optimizer": {"params": {"lr": "auto"}},
-                                               "gradient_accumulation_steps": "auto"}, 1)
+    merged, changed = ds_with_json(tmp_path, {"train_batch_size": "auto", "optimizer": {"params": {"lr": "auto"}},
+                                              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"})
     assert merged == ours and changed == []
 
 
+def test_auto_is_lmrepos_value_in_sections_of_another_type(tmp_path):
+    """Hugging Face's templates: WarmupDecayLR with every param "auto", fp16/bf16 "auto", the
+    ZeRO-3 sizes "auto" (from the hidden size, as the HF integration computes them)."""
+    user = {"fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                              "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}
+    ds, _ = ds_with_json(tmp_path, user, ["precision=bf16", "trainer.max_steps=50", "schedule.warmup_steps=5",
+                                          "optimizer.lr=0.002"])
+    assert "auto" not in json.dumps(ds)
+    assert ds["fp16"]["enabled"] is False and ds["bf16"]["enabled"] is True
+    assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    assert ds["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002, "warmup_num_steps": 5,
+                                         "total_num_steps": 50}
+    hidden = 256  # gpt2-tiny
+    zero = ds["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) \
+        == (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)
+    assert_deepspeed_accepts_scheduler(ds["scheduler"])
+
+
+def test_auto_without_an_lmrepo_value_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"deepspeed_config=.*: optimizer.params.momentum: \"auto\" has no lmrepo value"):
+        ds_with_json(tmp_path, {"optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": "auto"}}})
+
+
+def test_alias_and_legacy_names_become_deepspeeds(tmp_path):
+    """axolotl's short ZeRO-3 names and DeepSpeed's deprecated ones, the legacy bfloat16 key."""
+    user = {"bfloat16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "max_live_parameters": 0, "gather_16bit_weights_on_model_save": True,
+                                  "stage3_gather_fp16_weights_on_model_save": True}}
+    with pytest.raises(ConfigError, match="two names of one key"):
+        ds_with_json(tmp_path, user)
+    del user["zero_optimization"]["stage3_gather_fp16_weights_on_model_save"]
+    ds, _ = ds_with_json(tmp_path, user, device=CPU)
+    assert ds["bf16"] == {"enabled": True} and "bfloat16" not in ds
+    assert ds["zero_optimization"]["stage3_max_live_parameters"] == 0
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+def test_deepspeeds_own_verdict_names_the_json_key(tmp_path):
+    for user, message in (({"zero_optimization": {"stage": 2, "reduce_bucket_siz": 5}}, "zero_optimization.reduce_bucket_siz"),
+                          ({"zero_optimisation": {"stage": 3}}, "zero_optimisation: not a key DeepSpeed reads"),
+                          ({"sparse_attention": {"mode": "fixed"}}, "Sparse Attention has been removed")):
+        with pytest.raises(ConfigError, match=f"deepspeed_config=.*{message}"):
+            ds_with_json(tmp_path, user, device=CPU)
+
+
+def test_hint_names_the_json_key_that_set_the_value(tmp_path):
+    """The JSON's key wins, so the fix is in the JSON: naming lmrepo's key would change nothing."""
+    with pytest.raises(ConfigError, match=r"change zero_optimization.offload_optimizer in deepspeed_config="):
+        ds_with_json(tmp_path, {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, device=CPU)
+    with pytest.raises(ConfigError, match=r"batch keys train_batch_size=7.* change them in the JSON"):
+        ds_with_json(tmp_path, {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
+                                "gradient_accumulation_steps": 1}, device=CPU)
+    with pytest.raises(ConfigError, match=r"activation_checkpointing.cpu_checkpointing needs .*partition_activations"):
+        ds_with_json(tmp_path, {"activation_checkpointing": {"cpu_checkpointing": True}}, device=CPU)
+
+
 @pytest.mark.parametrize("dp, accum", [(1, 1), (2, 1), (2, 3)])
-def test_merge_micro_batch_only_rederives_global(dp, accum):
-    ours = ds_for([f"trainer.grad_accum={accum}"], dp)
-    merged, changed = merge_user_config(ours, {"train_micro_batch_size_per_gpu": 10}, dp)
+def test_merge_micro_batch_only_rederives_global(tmp_path, dp, accum):
+    merged, changed = ds_with_json(tmp_path, {"train_micro_batch_size_per_gpu": 10}, [f"trainer.grad_accum={accum}"], dp)
     assert merged["train_micro_batch_size_per_gpu"] == 10 and merged["gradient_accumulation_steps"] == accum
     assert merged["train_batch_size"] == 10 * accum * dp
     assert changed == ["train_micro_batch_size_per_gpu"]
 
 
-def test_merge_inconsistent_user_batch_names_deepspeed_config():
-    with pytest.raises(ConfigError, match="deepspeed_config"):
-        merge_user_config(ds_for([]), {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
-                                       "gradient_accumulation_steps": 1}, 1)
-
-
 def test_seed_004_ds_config_rejected_on_cpu(tmp_path):
     cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}"])
-    with pytest.raises(ConfigError, match="fp16") as err:
-        validate(cfg, 1, CPU)
-    assert "deepspeed_config" in str(err.value)  # the fp16 comes from the JSON: that is what to change
+    with pytest.raises(ConfigError, match="change fp16.enabled in deepspeed_config="):
+        validate(cfg, 1, CPU)  # the fp16 comes from the JSON: that is what to change
 
 
 def test_seed_004_ds_config_passes_on_gpu_and_keeps_user_values(tmp_path):
@@ -359,16 +419,14 @@ def test_seed_004_scheduler_params_fit_the_user_scheduler(tmp_path):
     (["offload=nvme", "zero=stage2"], 1, CPU, ["zero=stage3"]),
     (["offload=nvme", "offload.params=false", "zero=stage2"], 1, CPU, ["zero=stage3"]),
     (["offload=nvme", "offload.params=false", "zero=stage1"], 1, CPU, ["zero=stage3"]),
-    (["precision=fp16"], 1, CPU, ["precision=bf16"]),
+    (["precision=fp16"], 1, CPU, ["precision=auto"]),
     (["trainer.global_batch_size=7"], 1, CPU, ["trainer.global_batch_size"]),
     (["trainer.global_batch_size=8"], 2, CPU, ["trainer.global_batch_size", "trainer.micro_batch_size"]),
     (["model.n_head=3"], 1, CPU, ["model.n_head", "model.n_embd"]),
     (["data.block_size=512"], 1, CPU, ["data.block_size"]),
     (["pipeline.stages=2"], 2, CPU, ["pipeline.stages"]),
-    (["pipeline.schedule=1f1b", "pipeline.stages=2"], 2, CPU, ["pipeline.schedule"]),  # pipeline=none's engine
-    (["trainer.warmup_steps=300"], 1, CPU, ["trainer.warmup_steps", "trainer.max_steps"]),
-    (["trainer.warmup_steps=400"], 1, CPU, ["trainer.warmup_steps"]),
-    (["trainer.lr_decay=step"], 1, CPU, ["trainer.lr_decay"]),
+    (["schedule.warmup_steps=300"], 1, CPU, ["schedule.warmup_steps", "trainer.max_steps"]),
+    (["schedule.warmup_steps=400"], 1, CPU, ["schedule.warmup_steps"]),
     (["checkpointing=full", "checkpointing.cpu_checkpointing=true"], 1, CPU, ["checkpointing.partition_activations"]),
     (["checkpointing=every_n", "checkpointing.every_n_layers=9"], 1, CPU, ["checkpointing.every_n_layers"]),
     (["offload=nvme", "zero=stage3", "offload.nvme_path=null"], 1, CPU, ["offload.nvme_path"]),
@@ -425,8 +483,8 @@ def test_deepspeed_config_not_an_object(tmp_path):
 
 
 def test_user_json_held_to_the_same_rules(tmp_path):
-    path = write_json(tmp_path, '{"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}')
-    with pytest.raises(ConfigError, match="zero=stage1"):
+    path = write_json(tmp_path, '{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}')
+    with pytest.raises(ConfigError, match="optimizer offload to cpu needs ZeRO stage >= 1: change zero_optimization.offload_optimizer in"):
         validate(compose_config([f"deepspeed_config={path}"]), 1, CPU)
 
 
@@ -443,13 +501,12 @@ def minilm_dir() -> Path:
 
 
 def test_model_shape_of_preset():
-    shape = model_shape(compose_config(["model=gpt2"]).model)
-    assert shape == {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}
+    shape = load_config(["model=gpt2"]).model.shape()
+    assert shape == {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257, "n_kv_head": 12}
 
 
 def test_model_shape_of_pretrained_bert():
-    cfg = compose_config(["model=bert-base", f"model.pretrained={minilm_dir()}"])
-    shape = model_shape(cfg.model)
+    shape = load_config(["model=bert-base", f"model.pretrained={minilm_dir()}"]).model.shape()
     assert (shape["n_layer"], shape["n_head"], shape["n_embd"], shape["n_positions"]) == (6, 12, 384, 512)
     assert shape["vocab_size"] == 30522
 
@@ -461,8 +518,52 @@ def test_every_n_layers_checked_against_pretrained_depth():
         validate(cfg, 1, CPU)
 
 
-@pytest.mark.parametrize("override, key", [("trainer.lr=abc", "trainer.lr"), ("model.n_layer=true", "model.n_layer"),
+@pytest.mark.parametrize("override, key", [("optimizer.lr=abc", "optimizer.lr"), ("model.n_layer=true", "model.n_layer"),
                                            ("data.block_size=big", "data.block_size")])
 def test_wrong_type_names_the_key(override, key):
-    with pytest.raises(ConfigError, match=f"{key}=.* must be a number"):
-        validate(compose_config([override]), 1, CPU)
+    with pytest.raises(ConfigError, match=f"^{key}=.*could not be converted"):
+        load_config([override])
+
+
+def test_moved_key_names_its_new_place():
+    with pytest.raises(ConfigError, match="trainer.lr has moved: set optimizer.lr"):
+        load_config(["trainer.lr=0.1"])
+
+
+# --- precision=auto and the warmup that fits the run (issue 14) -----------------------------
+
+def test_precision_auto_follows_native_bf16():
+    for device, dtype in ((CPU, "bf16"), (CPU_WITHOUT_BF16, "fp32"), (GPU, "bf16")):
+        job = plan(compose_config(["precision=auto"]), 1, device)
+        assert job.config.precision.dtype == dtype
+        assert job.ds_config["bf16"]["enabled"] == (dtype == "bf16") and "fp16" not in job.ds_config
+        assert job.notes[0].startswith(f"lmrepo: precision=auto -> {dtype} ({device.description}")
+
+
+def test_bf16_without_native_bf16_runs_and_warns_with_the_measured_cost():
+    job = plan(compose_config(["precision=bf16"]), 1, CPU_WITHOUT_BF16)
+    assert job.ds_config["bf16"]["enabled"]
+    assert len(job.notes) == 1 and job.notes[0].startswith("lmrepo: warning: precision=bf16 on CPU (test, AVX2): bf16 "
+                                                           "matmuls run at ")
+    assert "in fp32 (measured now); precision=auto would train in fp32" in job.notes[0]
+
+
+def test_explicit_precisions_print_nothing():
+    assert plan(compose_config(["precision=fp32"]), 1, CPU).notes == []
+    assert plan(compose_config(["precision=bf16"]), 1, CPU).notes == []
+
+
+@pytest.mark.parametrize("max_steps, warmup", [(1, 0), (2, 0), (10, 1), (100, 10), (300, 30), (5000, 30)])
+def test_default_warmup_fits_any_run(max_steps, warmup):
+    """10% of the run, at most 30 steps: the 300-step default job keeps its 30."""
+    config = load_config([f"trainer.max_steps={max_steps}"])
+    assert config.schedule.warmup_steps == warmup
+    ds = plan(compose_config([f"trainer.max_steps={max_steps}"]), 1, CPU).ds_config
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == max(1, warmup)
+    assert_deepspeed_accepts_scheduler(ds["scheduler"])
+
+
+def test_a_warmup_the_user_sets_must_fit():
+    assert load_config(["trainer.max_steps=10", "schedule.warmup_steps=9"]).schedule.warmup_steps == 9
+    with pytest.raises(ConfigError, match=r"^schedule.warmup_steps=10 must be in \[0, trainer.max_steps=10\)"):
+        load_config(["trainer.max_steps=10", "schedule.warmup_steps=10"])

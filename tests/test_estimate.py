@@ -274,7 +274,7 @@ def test_script_in_process(args, capsys):
     assert "Parameters" in out and "Model states" in out and "days" in out and err == ""
 
 
-@pytest.mark.parametrize("args,key", [(["no_such_key=1"], "no_such_key"), (["model=gpt5"], "model/gpt5"),
+@pytest.mark.parametrize("args,key", [(["no_such_key=1"], "no_such_key"), (["model=gpt5"], "model=gpt5"),
                                       (["zero=stage1", "offload=nvme"], "NVMe offload needs ZeRO-3"),
                                       (["tflops=-3"], "tflops=-3"), (["world=6", "gpus_per_node=4"], "gpus_per_node"),
                                       (["model=gpt2", "data.block_size=2048"], "data.block_size=2048")])
@@ -284,3 +284,14 @@ def test_script_bad_input_in_process(args, key, capsys):
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and key in err
+
+
+@pytest.mark.parametrize("name, bf16", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H100 NVL", 835.5), ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.5),
+                                        ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla V100-SXM2-32GB", None)])
+def test_peak_table_tells_gpu_forms_apart(name, bf16):
+    """torch.cuda.get_device_name() of each form: the SXM, PCIe and NVL H100 differ in clocks
+    and power, and so in peak (datasheets: 989 / 756 / 835 dense bf16 TFLOP/s). The V100 has no
+    bf16 units: bf16 runs at its fp32 peak there."""
+    expected = bf16 if bf16 is not None else 15.7
+    assert peak_tflops(name, "bf16", None) == expected

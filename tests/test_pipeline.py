@@ -13,7 +13,7 @@ gradient is (emb_1 + emb_2) + (head_1 + head_2) in a pipeline, each stage accumu
 use before the all-reduce adds them, and (emb_1 + head_1) + (emb_2 + head_2) without one):
 1e-6 relative over 6 steps (measured: 9e-8). This bar caught DeepSpeed's fp32 pipeline clipping
 by the first stage's gradient norm alone (1.3e-5 at step 6; see
-lmrepo.engine.count_every_stage_in_clip_norm); the exact one-step gradient and clip factor are
+lmrepo.engines.deepspeed_pipeline.count_every_stage_in_clip_norm); the exact one-step gradient and clip factor are
 checked separately (test_tied_embedding_gradients_and_clip_match_the_whole_model).
 """
 import subprocess
@@ -22,17 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DEEPSPEED, REPO, TINY, assert_ok, compose_config, free_port, read_metrics, run_train, train_losses
-from lmrepo.config import Device, validate
+from conftest import (CPU, DEEPSPEED, GPU, REPO, TINY, assert_ok, compose_config, free_port, read_metrics, run_train,
+                      train_losses, validate)
+from lmrepo.compose import load_config
 from lmrepo.errors import ConfigError
 from lmrepo.export import export
 
-pytestmark = pytest.mark.distributed
-
 FP32_TOL = 1e-6
 PIPELINE = ["pipeline=1f1b", "precision=fp32", "trainer.grad_accum=2", "trainer.save_every=3"]
-CPU = Device("cpu", fp16=False, bf16=True)
-GPU = Device("cuda", fp16=True, bf16=True)
 
 
 def assert_close(a: list[float], b: list[float], rel: float = FP32_TOL) -> None:
@@ -49,6 +46,7 @@ def gpt2_pipeline(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.distributed
 def test_gpt2_pipeline_matches_data_parallel(gpt2_pipeline, launch2):
     reference = launch2("zero=stage0", "precision=fp32")
     assert_close(train_losses(gpt2_pipeline), train_losses(reference))
@@ -56,6 +54,7 @@ def test_gpt2_pipeline_matches_data_parallel(gpt2_pipeline, launch2):
     assert first["tokens"] == 8 * 32, "one step is the global batch of 8 blocks"
 
 
+@pytest.mark.distributed
 def test_bert_pipeline_matches_data_parallel(tmp_path, launch2):
     bert = ["model=bert-tiny", "data.block_size=32"]
     reference = launch2(*bert, "zero=stage0", "precision=fp32")
@@ -63,6 +62,7 @@ def test_bert_pipeline_matches_data_parallel(tmp_path, launch2):
     assert_close(train_losses(tmp_path / "bert"), train_losses(reference))
 
 
+@pytest.mark.distributed
 def test_data_x_pipeline_on_4_ranks(tmp_path, launch2):
     """2 stages x 2 data-parallel replicas: each replica takes its own half of the batch; the
     evaluation set (per data-parallel rank) is the reference's too, so eval losses agree."""
@@ -73,12 +73,14 @@ def test_data_x_pipeline_on_4_ranks(tmp_path, launch2):
     assert_close(*evals)
 
 
+@pytest.mark.distributed
 def test_resumed_pipeline_continues_exactly(gpt2_pipeline, tmp_path):
     resumed = tmp_path / "resumed"
     assert_ok(run_train([*TINY, *PIPELINE, f"run.resume={gpt2_pipeline / 'checkpoints/step_00000003'}"], resumed, ranks=2))
     assert train_losses(resumed) == train_losses(gpt2_pipeline)[3:]
 
 
+@pytest.mark.distributed
 def test_pipeline_checkpoint_exports_the_same_model(gpt2_pipeline, launch2, tmp_path):
     """Step 3 of the pipelined run and of the data-parallel run: the same transformers weights."""
     piped = load_file(export(str(gpt2_pipeline / "checkpoints/step_00000003"), tmp_path / "piped") / "model.safetensors")
@@ -89,6 +91,7 @@ def test_pipeline_checkpoint_exports_the_same_model(gpt2_pipeline, launch2, tmp_
         torch.testing.assert_close(piped[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.distributed
 def test_tied_embedding_gradients_and_clip_match_the_whole_model(tmp_path):
     """After DeepSpeed all-reduces the tied embedding's gradient, the first stage (input
     embedding) and the last (LM head) hold the same gradient: the whole model's, whose
@@ -108,6 +111,7 @@ def test_tied_embedding_gradients_and_clip_match_the_whole_model(tmp_path):
     assert first["clip_coef"] < 1, "the step must clip for this to test anything"
 
 
+@pytest.mark.distributed
 def test_zero2_pipeline_refused_before_launch(tmp_path):
     proc = run_train([*TINY, "pipeline=1f1b", "zero=stage2"], tmp_path / "run", ranks=2)
     assert proc.returncode == 2 and "supports ZeRO stage 0 or 1" in proc.stderr
@@ -134,11 +138,11 @@ def test_zero2_pipeline_refused_before_launch(tmp_path):
     (["pipeline=1f1b", "pipeline.partition=balanced"], 2, CPU, "pipeline.partition=balanced is not"),
     (["pipeline=1f1b", "pipeline.partition=type:Attention"], 2, CPU, "matches 0 layers"),
     (["pipeline=1f1b", "pipeline.partition=type:GPT2Block"], 2, CPU, None),
-    (["pipeline=1f1b", "pipeline.engine=torch"], 2, CPU, "pipeline.engine=torch does not run"),
     (["pipeline=1f1b", "trainer.compile=true"], 2, CPU, "trainer.compile=true is not supported"),
     (["pipeline=1f1b", "model=bert-tiny", "pipeline.stages=4"], 4, CPU, "for a model of 2 layers"),
 ])
 def test_pipeline_layout(overrides, world, device, expected):
+    """In process: every layout's verdict before launch."""
     cfg = compose_config(overrides)
     if expected is None:
         ds, _ = validate(cfg, world, device)
@@ -146,3 +150,9 @@ def test_pipeline_layout(overrides, world, device, expected):
         return
     with pytest.raises(ConfigError, match=expected):
         validate(cfg, world, device)
+
+
+def test_pipeline_engine_key_is_gone():
+    """The engine follows from pipeline.schedule; an old command that set it is told so."""
+    with pytest.raises(ConfigError, match="pipeline.engine is gone: the engine follows from pipeline.schedule"):
+        load_config(["pipeline=1f1b", "pipeline.engine=torch"])

@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining schedules (pipeline=gpipe, 1f1b_torch, interleaved; lmrepo/pipelining.py).
+"""torch.distributed.pipelining schedules (pipeline=gpipe, 1f1b_torch, interleaved; lmrepo/engines/torch_pipeline.py).
 
 Real 2-rank launches (4 in all) against a 1-rank run without a pipeline, same seed, data and
 global batch: with 2 stages on 2 ranks the data-parallel size is 1, so both read the same
@@ -17,7 +17,7 @@ import torch
 from conftest import TINY, assert_ok, compose_config, read_metrics, run_train, train_losses
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
-from lmrepo.pipelining import partition, tied_owner
+from lmrepo.engines.torch_pipeline import partition, tied_owner
 
 FP32_TOL = 1e-5
 PIPE = ("trainer.grad_accum=2", "precision=fp32")  # 2 micro-batches: at least one per stage

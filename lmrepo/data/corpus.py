@@ -53,9 +53,17 @@ def load_documents(data, workdir: Path) -> datasets.Dataset:
             check_utf8(f)
         features = datasets.Features({"text": datasets.Value("string"), "start": datasets.Value("bool"),
                                       "end": datasets.Value("bool")})
-        # writer_batch_size: pieces are flushed to disk a few at a time, not a thousand.
-        return datasets.Dataset.from_generator(read_pieces, features=features, cache_dir=str(workdir),
-                                               gen_kwargs={"files": files, "piece_chars": PIECE_CHARS}, writer_batch_size=4)
+        # writer_batch_size: pieces are flushed to disk a few at a time, not a thousand. Without
+        # datasets' "Generating train split" bar: the tokenizing bar that follows is the one to watch.
+        shown = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        try:
+            return datasets.Dataset.from_generator(read_pieces, features=features, cache_dir=str(workdir),
+                                                   gen_kwargs={"files": files, "piece_chars": PIECE_CHARS},
+                                                   writer_batch_size=4)
+        finally:
+            if shown:
+                datasets.enable_progress_bars()
     if data.source == "json":
         try:
             docs = datasets.load_dataset("json", data_files=files, split="train")

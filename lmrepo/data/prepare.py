@@ -12,7 +12,6 @@ training draws from them by weight (batches.MixtureOrder).
 import hashlib
 import itertools
 import json
-import math
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,10 +20,8 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 from filelock import FileLock
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from tokenizers import Tokenizer
 
-from lmrepo.data.batches import MIXTURE_PERIOD
 from lmrepo.data.corpus import load_documents, source_files
 from lmrepo.errors import ConfigError
 
@@ -205,58 +202,11 @@ def open_tokens(directory: Path, split: str) -> np.ndarray:
     return np.memmap(directory / f"{split}.bin", dtype=meta["dtype"], mode="r")
 
 
-# --- mixtures ---------------------------------------------------------------------------------
-
-# The keys each source of a mixture may set, with the defaults of conf/data/<source>.yaml; the
-# mixture's own block_size, val_fraction, num_proc and cache_dir apply to every source.
-SOURCE_KEYS = {"shakespeare": {}, "text": {"paths": None}, "json": {"paths": None, "text_field": "text"},
-               "hf": {"name": None, "config": None, "split": "train", "text_field": "text"}}
-REQUIRED = {"text": "paths", "json": "paths", "hf": "name"}
-SHARED_KEYS = ("block_size", "val_fraction", "num_proc", "cache_dir")
-EXAMPLE = "data.sources=[{source:shakespeare,weight:0.7},{source:text,paths:[a.txt],weight:0.3}]"
-
-
-def mixture_sources(data) -> list[tuple[DictConfig, float]]:
-    """(data config, weight) of each entry of a mixture's data.sources, the entry made a data
-    option of its own. Raises ConfigError naming the entry's key."""
-    entries = data.get("sources")
-    if not isinstance(entries, ListConfig) or len(entries) == 0:
-        raise ConfigError(f"data.sources must list at least one source with a weight, e.g. {EXAMPLE}")
-    out = []
-    for k, entry in enumerate(entries):
-        key = f"data.sources[{k}]"
-        if not isinstance(entry, DictConfig):
-            raise ConfigError(f"{key}={entry} must be a mapping like {{source: text, paths: [a.txt], weight: 0.3}}")
-        source = entry.get("source")
-        if source not in SOURCE_KEYS:
-            raise ConfigError(f"{key}.source={source} must be one of {', '.join(SOURCE_KEYS)}")
-        for name in entry:
-            if name in SHARED_KEYS:
-                raise ConfigError(f"{key}.{name}: {name} is shared by all sources of a mixture: set data.{name} instead")
-            if name not in ("source", "weight", *SOURCE_KEYS[source]):
-                raise ConfigError(f"{key}.{name} is not a key of a {source} source (it takes: "
-                                  f"{', '.join(['weight', *SOURCE_KEYS[source]])})")
-        weight = entry.get("weight")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-            raise ConfigError(f"{key}.weight={weight} must be a number > 0")
-        if source in REQUIRED and entry.get(REQUIRED[source]) is None:
-            raise ConfigError(f"{key}.{REQUIRED[source]} must be set for a {source} source")
-        fields = {**SOURCE_KEYS[source], **OmegaConf.to_container(entry, resolve=True), **{s: data[s] for s in SHARED_KEYS}}
-        del fields["weight"]
-        out.append((OmegaConf.create(fields), float(weight)))
-    total = sum(w for _, w in out)
-    for k, (_, weight) in enumerate(out):
-        if weight / total * MIXTURE_PERIOD < 1:
-            raise ConfigError(f"data.sources[{k}].weight={weight} is below 1/{MIXTURE_PERIOD} of the total weight: "
-                              "raise it or leave the source out")
-    return out
-
-
 def prepare_sources(data, tokenizer) -> list[tuple[Path, float]]:
     """prepare() for every source: [(token directory, weight), ...] (one entry unless a mixture)."""
     if data.source != "mixture":
         return [(prepare(data, tokenizer), 1.0)]
-    entries = mixture_sources(data)
+    entries = data.mixture_sources()
     for k, (source, _) in enumerate(entries):
         with named_source(k, source):
             source_files(source)  # a mistyped path stops the job before any source is tokenized

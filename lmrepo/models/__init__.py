@@ -18,4 +18,4 @@ def build_model(model) -> PreTrainedModel:
     net.config.use_cache = False
     # Named, transformers does not warn from inside forward (a graph break under torch.compile).
     net.loss_type = family.LOSS_TYPE
-    return net
+    return net.train()  # from_pretrained returns a model in eval mode

@@ -1,13 +1,19 @@
-"""What scripts/bench.py measures, one function per worker process. Every worker gets the same
-spec (model, the DeepSpeed config train.py wrote, the prepared token files, seed, steps) and returns
-JSON-able results; scripts/bench.py launches them, interleaves them and prints the table.
+"""What the benchmarks in this folder share (the repository's paths, the machine, the CPU's
+matmul peak), and what benchmarks/bench.py measures, one function per worker process. Every
+worker gets the same spec (model, the DeepSpeed config train.py wrote, the prepared token files,
+seed, steps) and returns JSON-able results; benchmarks/bench.py launches them, interleaves them
+and prints the table. Not part of the lmrepo package: the benchmarks import it as `common`
+(a script's own folder is first on its sys.path).
 
+- `machine`: what the figures were measured on; `measure_cpu_peak_tflops`: the CPU's matmul
+  peak, the denominator of the CPU's MFU.
 - `BareArms`: the seeds' loop (`engine(batch).loss; engine.backward(loss); engine.step()`) over
   the batches train.py reads, materialized before the clock starts, one step at a time: the
   ruler the other loops are paired with, eager and (arm "compiled") after `engine.compile()`.
-- `bare_loop`: the bare loop alone (eager, or eager against compiled); `fit_and_bare`:
-  lmrepo.loop.fit with a bare step after each of its steps; `hf_trainer`: Hugging Face Trainer
-  on the same model, batches and DeepSpeed config, with a bare step after each of its steps.
+- `bare_loop`: the bare loop alone (eager; eager against compiled, or against a twin);
+  `fit_and_bare`: lmrepo.loop.fit with a bare step after each of its steps; `hf_trainer`:
+  Hugging Face Trainer on the same model, batches and DeepSpeed config, with a bare step after
+  each of its steps.
 - `model_state_memory`: on each of 2 ranks, the bytes of the tensors each ZeRO stage keeps for
   parameters, gradients and optimizer states, counted from the engine's own tensors.
 """
@@ -15,13 +21,20 @@ import gc
 import os
 import platform
 import re
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from lmrepo.data.loader import Layout, LMData
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # lmrepo and hydra_plugins/ (conf/train.yaml names its launcher) as train.py finds them
+    sys.path.insert(1, str(REPO))
+DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+
+from lmrepo.data.loader import Layout, LMData  # noqa: E402  (after the path above)
 
 
 # ---- the machine ----
@@ -50,6 +63,26 @@ def machine() -> dict:
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
+def measure_cpu_peak_tflops(dtype: str, seconds: float = 2.0, n: int = 2048) -> float:
+    """The CPU's matmul peak in `dtype` (fp32, bf16, fp16), measured: the best TFLOP/s of repeated
+    square n x n torch.matmul with torch's current thread count, over about `seconds`.
+    The best run, not the mean: MFU is measured against what the CPU can reach, and other
+    processes on the machine only ever slow a run down. A smoke run passes a small n: a CPU
+    without native bf16 computes a 2048 x 2048 bf16 matmul in about 17 s."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a, b = torch.randn(n, n).to(torch_dtype), torch.randn(n, n).to(torch_dtype)
+    out = torch.empty(n, n, dtype=torch_dtype)
+    torch.matmul(a, b, out=out)  # the first call picks and packs the kernel (oneDNN / MKL)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        end = time.perf_counter()
+        best = max(best, 2 * n**3 / (end - start) / 1e12)
+        if end >= deadline:
+            return best
+
+
 # ---- the same batches for every arm ----
 
 def step_batches(spec: dict) -> list[list[dict]]:
@@ -61,24 +94,23 @@ def step_batches(spec: dict) -> list[list[dict]]:
     return [data.train_step(step * layout.global_batch) for step in range(spec["steps"])]
 
 
-def build(spec: dict, loss_type: str | None = None):
-    """The model train.py builds (same preset, same seed, same weight-decay groups) in a DeepSpeed engine."""
-    import deepspeed
-    from omegaconf import OmegaConf
+def model_of(spec: dict):
+    """The model train.py builds from the spec's model section (same preset, same seed)."""
     from transformers import set_seed
 
-    from lmrepo.engine import param_groups
+    from lmrepo.config import ModelConfig, from_dict
     from lmrepo.models import build_model
 
     set_seed(spec["seed"])
-    model = build_model(OmegaConf.create(spec["model"]))
-    if loss_type:
-        # transformers logs a warning from inside forward when the loss type is unset: a graph break.
-        model.loss_type = loss_type
-    weight_decay = spec["ds_config"]["optimizer"]["params"].get("weight_decay", 0.0)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                      config=spec["ds_config"])
-    return engine
+    # build_model names the loss type: unset, transformers warns from inside forward (a graph break).
+    return build_model(from_dict(ModelConfig, spec["model"]))
+
+
+def build(spec: dict):
+    """The model train.py builds, with its weight-decay groups, in a bare DeepSpeed engine (DeepSpeed's own object)."""
+    from lmrepo.engines.deepspeed import initialize
+
+    return initialize(model_of(spec), spec["ds_config"])
 
 
 # ---- workers ----
@@ -91,10 +123,9 @@ class BareArms:
 
     def __init__(self, spec: dict, arms: list[str]):
         self.batches = step_batches(spec)
-        loss_type = "ForCausalLM" if "compiled" in arms else None  # the same model code in every arm
         self.engines = {}
         for arm in arms:
-            self.engines[arm] = build(spec, loss_type)
+            self.engines[arm] = build(spec)
             if arm == "compiled":
                 self.engines[arm].compile()
         self.times = {arm: [] for arm in arms}
@@ -144,26 +175,28 @@ def fit_and_bare(spec: dict) -> dict:
     the metrics sink: each pair of steps sees the same machine load. fit's step time is the wall
     time between its consecutive metrics lines (everything the loop does) less the bare step
     that ran in between."""
-    from omegaconf import OmegaConf
+    from transformers import set_seed
 
-    from lmrepo.config import detect_device
-    from lmrepo.engine import build_engine, init_distributed
+    from lmrepo.config import TrainConfig, from_dict
+    from lmrepo.device import detect_device
+    from lmrepo.ds_config import batch_of
+    from lmrepo.engines import build_engine
+    from lmrepo.launch import init_distributed
     from lmrepo.loggers import build_sinks
     from lmrepo.loop import TrainState, fit
     from lmrepo.run import throughput_of
-    from transformers import set_seed
 
-    cfg = OmegaConf.create(spec["cfg"])
+    config = from_dict(TrainConfig, spec["config"])  # loaded and resolved (lmrepo.run.plan) by the orchestrator
     ds = spec["ds_config"]
-    device = detect_device(cfg.trainer.device)
+    device = detect_device(config.trainer.device)
     init_distributed()
-    set_seed(cfg.trainer.seed)
-    engine = build_engine(cfg.model, cfg.checkpointing, ds)
+    set_seed(config.trainer.seed)
+    engine = build_engine(config, ds)
     arms = BareArms(spec, spec["arms"])
-    layout = Layout(global_batch=ds["train_batch_size"], micro_batch=ds["train_micro_batch_size_per_gpu"],
-                    dp_rank=0, dp_size=1)
-    data = LMData(spec["sources"], cfg.data.block_size, cfg.model.family, None, layout, cfg.trainer.seed,
-                  cfg.trainer.eval_batches)
+    global_batch, micro_batch, _ = batch_of(ds)
+    layout = Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size)
+    data = LMData(spec["sources"], config.data.block_size, config.model.family, None, layout, config.trainer.seed,
+                  config.trainer.eval_batches)
     run_dir = Path(spec["out_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     records, bare_seconds = [], []
@@ -181,8 +214,9 @@ def fit_and_bare(spec: dict) -> dict:
         def finish(self) -> None:
             self.sinks.finish()
 
-    sinks = WithBareStep(build_sinks(cfg.logger, run_dir, spec["cfg"], ds))
-    fit(engine, data, cfg.trainer, throughput_of(cfg, ds, device), sinks, TrainState(), lambda state: None, None, True)
+    sinks = WithBareStep(build_sinks(config.logger, run_dir, spec["config"], ds))
+    fit(engine, data, config.trainer, throughput_of(config, ds, device), sinks, TrainState(), lambda state: None, None,
+        True)
     sinks.finish()
     elapsed = [0.0] + [r["elapsed_s"] for r in records]
     times = [b - a - (bare_seconds[k - 1] if k else 0.0) for k, (a, b) in enumerate(zip(elapsed, elapsed[1:]))]
@@ -196,10 +230,7 @@ def hf_trainer(spec: dict) -> dict:
     from lmrepo.launch import ensure_single_process_env
 
     ensure_single_process_env()
-    from omegaconf import OmegaConf
-    from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
-
-    from lmrepo.models import build_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     ds = spec["ds_config"]
     samples = [{"input_ids": row, "labels": row}
@@ -222,8 +253,7 @@ def hf_trainer(spec: dict) -> dict:
         bf16=ds.get("bf16", {}).get("enabled", False), use_cpu=cpu,  # bf16 off the GPU needs use_cpu
         report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, seed=spec["seed"])
-    set_seed(spec["seed"])
-    model = build_model(OmegaConf.create(spec["model"]))
+    model = model_of(spec)
     arms = BareArms(spec, spec["arms"])
     times = []
 
@@ -311,18 +341,20 @@ def held_bytes(engine) -> dict:
 def model_state_memory(spec: dict) -> list[dict]:
     """For each model and ZeRO stage: build, train one step (Adam states exist after it), run the
     next forward and backward and count what this rank holds before that step's optimizer update
-    (the moment gradients and optimizer states coexist)."""
-    import deepspeed
+    (the moment gradients and optimizer states coexist). Each step reads spec["tokens"] (micro
+    batch, tokens) of random ids, by default the job's micro batch of blocks."""
     import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
 
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    from lmrepo.launch import init_distributed
+
+    init_distributed()
+    gc.freeze()  # what the imports made stays out of the collections between engines (0.5 s each here)
     rows = []
     for model_spec in spec["models"]:
         for stage, ds in model_spec["ds_configs"].items():
             run = {**spec, "model": model_spec["model"], "ds_config": ds}
             engine = build(run)
-            micro, block = ds["train_micro_batch_size_per_gpu"], spec["block_size"]
+            micro, block = spec.get("tokens") or (ds["train_micro_batch_size_per_gpu"], spec["block_size"])
             ids = torch.randint(0, model_spec["model"]["vocab_size"], (micro, block),
                                 generator=torch.Generator().manual_seed(spec["seed"] + dist.get_rank()))
             for step in range(2):
@@ -332,8 +364,9 @@ def model_state_memory(spec: dict) -> list[dict]:
                     held = held_bytes(engine)
                 engine.step()
             params = model_spec["params"]
+            dtype = next((k for k in ("bf16", "fp16") if ds.get(k, {}).get("enabled")), "fp32")
             rows.append({"model": model_spec["label"], "stage": int(stage), "rank": dist.get_rank(),
-                         "world": dist.get_world_size(), "n_params": params,
+                         "world": dist.get_world_size(), "dtype": dtype, "n_params": params,
                          "group_sizes": model_spec["group_sizes"], **held})
             engine.destroy()
             del engine

@@ -1,7 +1,7 @@
 """PyTorch's own pipeline schedules (torch.distributed.pipelining: ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B) behind the interface of DeepSpeed's PipelineEngine, so that loop.py,
-run.py and checkpoint.py drive `pipeline=gpipe | 1f1b_torch | interleaved` exactly as they
-drive `pipeline=1f1b`, and one sweep compares the schedules of seed 001 on one model.
+ScheduleInterleaved1F1B) as an lmrepo Engine, so that the loop and checkpointing drive
+`pipeline=gpipe | 1f1b_torch | interleaved` exactly as they drive `pipeline=1f1b`, and one sweep
+compares the schedules of seed 001 on one model.
 
 What DeepSpeed's engine would do around the schedule is done here, with DeepSpeed's own parts
 wherever they exist, so both paths train the same model the same way:
@@ -11,13 +11,13 @@ wherever they exist, so both paths train the same model the same way:
 - the step: gradients averaged over the micro-batches (the schedule's scale_grads) and the
   data-parallel replicas, the tied embedding's gradient summed between its first- and
   last-stage copies, the global gradient norm clipped (the tied weight counted once, as in
-  the unsplit model), torch AdamW with lmrepo's parameter groups, DeepSpeed's LR scheduler class;
+  the unsplit model), torch's AdamW / Adam with lmrepo's parameter groups, DeepSpeed's LR scheduler class;
 - precision: fp32, or bf16 as torch.autocast (fp32 weights, gradients and optimizer state;
   matmuls in bf16). DeepSpeed's bf16 keeps bf16 weights with fp32 masters instead: the two agree
   to bf16 rounding, not bit for bit;
 - checkpoints: DeepSpeed's pipeline layout (layer_NN-model_states.pt per layer, NN the layer index, the client state
   in mp_rank_00_model_states.pt) plus torch_pipe_rank_<rank, 5 digits>_optim_states.pt per rank.
-ZeRO, offload and fp16 are not supported (config.check_deepspeed refuses them up front).
+ZeRO, offload and fp16 are not supported (preflight.check_deepspeed refuses them up front).
 """
 from functools import partial
 from pathlib import Path
@@ -37,9 +37,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleLoopedBFS)
 
-from lmrepo.engine import param_groups
-from lmrepo.models.pipe import is_tied_copy
+from lmrepo.config import CheckpointingConfig, ModelConfig, OptimizerConfig, PipelineConfig
+from lmrepo.engines.base import pipeline_inputs
+from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
 from lmrepo.errors import ConfigError
+from lmrepo.models import build_model, pipe
+from lmrepo.models.pipe import is_tied_copy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b_torch": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -55,7 +58,7 @@ def partition(layers: list, parts: int, method: str) -> list[int]:
         return partition_uniform(num_items=len(layers), num_parts=parts)
     if method == "parameters":
         weights = PipelineModule._count_layer_params(specs)
-    else:  # type:<regex>; config.check_pipeline refused anything else
+    else:  # type:<regex>; the config's checks refused anything else
         weights = [0] * len(layers)
         for index in PipelineModule._find_layer_type(specs, method.split(":", 1)[1]):
             weights[index] = 1
@@ -120,20 +123,22 @@ def non_reentrant_checkpointing(model: nn.Module) -> None:
             module._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
+TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
 class TorchPipelineEngine:
-    """The subset of DeepSpeed's PipelineEngine that lmrepo drives (train_batch, eval_batch,
-    get_lr, checkpoints, grid), over a torch.distributed.pipelining schedule."""
+    """lmrepo's Engine over a torch.distributed.pipelining schedule, with DeepSpeed's grid,
+    partitioning and checkpoint layout."""
 
-    pipeline_parallelism = True
-    skipped_steps = 0
-
-    def __init__(self, layers: list, loss, pipeline, ds_config: dict):
+    def __init__(self, layers: list, loss, pipeline: PipelineConfig, optimizer: OptimizerConfig, scheduler: dict,
+                 grad_clip: float, micro_batches: int, bf16: bool):
         self.device = torch.device(get_accelerator().current_device_name())
         self.stages, virtual = pipeline.stages, pipeline.virtual_stages
         world = dist.get_world_size()
         self.grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=self.stages, num_dp=world // self.stages))
         self.stage_id, self.dp = self.grid.get_stage_id(), self.grid.get_data_parallel_world_size()
-        self.micro_batches = ds_config["gradient_accumulation_steps"]
+        self.dp_rank, self.dp_size = self.grid.get_data_parallel_rank(), self.dp
+        self.micro_batches = micro_batches
         self.loss, self.layer_specs = loss, layers
         self.parts = partition(layers, self.stages * virtual, str(pipeline.partition))
         if dist.get_rank() == 0:
@@ -149,15 +154,11 @@ class TorchPipelineEngine:
         self.eval_schedules = {}  # micro-batch count -> a forward-only schedule over stages of its own
 
         self.tied = self._tied_groups()
-        optimizer = ds_config["optimizer"]["params"]
-        self.optimizer = torch.optim.AdamW(param_groups(self.chunks, optimizer.get("weight_decay", 0.0)),
-                                           lr=optimizer["lr"], betas=tuple(optimizer.get("betas", (0.9, 0.999))),
-                                           eps=optimizer.get("eps", 1e-8))
-        scheduler = ds_config.get("scheduler")
-        self.lr_scheduler = (getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler.get("params", {}))
-                             if scheduler else None)
-        self.gradient_clipping = ds_config.get("gradient_clipping", 0.0)
-        self.bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+        self.optimizer = TORCH_OPTIMIZERS[optimizer.name](param_groups(self.chunks, optimizer.weight_decay),
+                                                          lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps)
+        # DeepSpeed's own scheduler class, from the section lmrepo builds for DeepSpeed's engines.
+        self.lr_scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
+        self.gradient_clipping, self.bf16 = grad_clip, bf16
         self.global_steps = 0
 
     # --- pieces of __init__
@@ -201,11 +202,20 @@ class TorchPipelineEngine:
     def eval(self):
         self.chunks.eval()
 
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
-    def fp16_enabled(self) -> bool:
-        return False
+    def step_record(self) -> dict:
+        return {}
+
+    def train_step(self, batches: list[dict]) -> torch.Tensor:
+        return self.train_batch(pipeline_inputs(batches))
+
+    def eval_loss(self, batches: list[dict]) -> torch.Tensor:
+        self.eval()
+        loss = self.eval_batch(pipeline_inputs(batches), num_micro_batches=len(batches))
+        self.train()
+        return loss
 
     def _run(self, schedule, data_iter, micro_batches: int, train: bool) -> torch.Tensor:
         """One pass of `schedule` over `micro_batches` (inputs, labels) pairs; the mean loss of the
@@ -233,8 +243,7 @@ class TorchPipelineEngine:
         if self.gradient_clipping > 0:
             self._clip_gradients(self.gradient_clipping)
         self.optimizer.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        self.lr_scheduler.step()
         self.global_steps += 1
         return loss
 
@@ -285,28 +294,23 @@ class TorchPipelineEngine:
         """(global index, module) of each layer this rank writes: not the tied copies."""
         return [(i, layer) for i, layer in self.layers.items() if not is_tied_copy(self.layer_specs[i])]
 
-    def save_checkpoint(self, save_dir, tag, client_state=None, save_latest=False) -> bool:
+    def save(self, save_dir: Path, tag: str, client_state: dict) -> None:
         directory = Path(save_dir, str(tag))
         directory.mkdir(parents=True, exist_ok=True)
         rank = dist.get_rank()
         if rank == 0:
             torch.save({"module": None, "global_steps": self.global_steps, "dp_world_size": self.dp,
-                        "mp_world_size": self.stages, "torch_pipeline_parts": self.parts, **(client_state or {})},
+                        "mp_world_size": self.stages, "torch_pipeline_parts": self.parts, **client_state},
                        directory / "mp_rank_00_model_states.pt")
         if self.grid.get_data_parallel_rank() == 0:  # the replicas hold the same weights
             for index, layer in self._saved_layers():
                 torch.save(layer.state_dict(), directory / f"layer_{index:02d}-model_states.pt")
         torch.save({"stage": self.stage_id, "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
+                    "lr_scheduler": self.lr_scheduler.state_dict()},
                    directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt")
         dist.barrier()
-        if save_latest and rank == 0:
-            Path(save_dir, "latest").write_text(str(tag))
-        return True
 
-    def load_checkpoint(self, load_dir, tag=None, **_) -> tuple[str | None, dict | None]:
-        if tag is None:
-            tag = Path(load_dir, "latest").read_text().strip()
+    def load(self, load_dir: Path, tag: str) -> dict:
         directory = Path(load_dir, str(tag))
         states = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         if states.get("mp_world_size") != self.stages or states.get("torch_pipeline_parts") != self.parts:
@@ -322,12 +326,17 @@ class TorchPipelineEngine:
         optim = torch.load(directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device,
                            weights_only=False)
         self.optimizer.load_state_dict(optim["optimizer"])
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
+        self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
         self.global_steps = states["global_steps"]
         engine_keys = {"module", "global_steps", "dp_world_size", "mp_world_size", "torch_pipeline_parts"}
-        return str(directory), {k: v for k, v in states.items() if k not in engine_keys}
+        return {k: v for k, v in states.items() if k not in engine_keys}
 
 
-def build_torch_pipeline(layers: list, loss, pipeline, ds_config: dict) -> TorchPipelineEngine:
-    return TorchPipelineEngine(layers, loss, pipeline, ds_config)
+def build(model_cfg: ModelConfig, checkpointing: CheckpointingConfig, pipeline: PipelineConfig,
+          optimizer: OptimizerConfig, scheduler: dict, grad_clip: float, micro_batches: int,
+          bf16: bool) -> TorchPipelineEngine:
+    """The same layer list DeepSpeed's pipeline splits, from the same seeded transformers model."""
+    net = build_model(model_cfg)
+    enable_activation_checkpointing(net, checkpointing, {})  # the blocks checkpoint themselves
+    layers, loss = pipe.pipeline_layers(net, model_cfg.family), pipe.LMLoss(model_cfg.family, net.config.vocab_size)
+    return TorchPipelineEngine(layers, loss, pipeline, optimizer, scheduler, grad_clip, micro_batches, bf16)

@@ -1,14 +1,14 @@
 """Pipeline schedules side by side on 2 CPU ranks (issue 4): step time, measured bubble against
 seed 001's theory, and activations held for backward per stage (GPipe against 1F1B).
 
-    python scripts/bench_pipeline.py                      # GPT-2 8x128, vocab 2048, 64 tokens x 4 per micro-batch (~3 min)
-    python scripts/bench_pipeline.py --quick              # smoke run: 4 layers, 2 timed steps (~1 min)
-    python scripts/bench_pipeline.py model.n_embd=256     # train.py's overrides change the model
+    python benchmarks/bench_pipeline.py                      # GPT-2 8x128, vocab 2048, 64 tokens x 4 per micro-batch (~3 min)
+    python benchmarks/bench_pipeline.py --quick              # smoke run: 4 layers, m = 2 and 4, 1 + 2 steps (<1 min)
+    python benchmarks/bench_pipeline.py model.n_embd=256     # train.py's overrides change the model
 
 One `deepspeed --num_gpus 2` launch; in it, for each schedule (pipeline=1f1b: DeepSpeed's
 PipelineEngine; gpipe, 1f1b_torch, interleaved: torch.distributed.pipelining via
-lmrepo.pipelining) and m = 2, 4, 8 micro-batches, an engine is built exactly as train.py builds
-it (lmrepo.config.validate -> lmrepo.engine.build_engine), fp32, on synthetic token blocks:
+lmrepo.engines.torch_pipeline) and m = 2, 4, 8 micro-batches, an engine is built exactly as
+train.py builds it (lmrepo.run.plan -> lmrepo.engines.build_engine), fp32, on synthetic token blocks:
 
 - step: the median over timed steps of the slowest rank's train_batch wall time;
 - t_micro: forward + backward of one micro-batch through one rank's layers alone (no pipeline,
@@ -26,8 +26,6 @@ Each rank runs one torch thread (2 ranks on 2 cores). Nothing here asserts a tim
 """
 import argparse
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,12 +33,10 @@ import time
 import weakref
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+from common import DEEPSPEED, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
 
 SCHEDULES = ["1f1b", "gpipe", "1f1b_torch", "interleaved"]
-MICRO_BATCHES = [2, 4, 8]
+MICRO_BATCHES, QUICK_MICRO_BATCHES = [2, 4, 8], [2, 4]
 MODEL = ["model.n_layer=8", "model.n_head=4", "model.n_embd=128", "model.vocab_size=2048", "data.block_size=64",
          "trainer.micro_batch_size=4"]
 QUICK_MODEL = ["model.n_layer=4", "model.n_head=2", "model.n_embd=64", "model.vocab_size=1024",
@@ -51,7 +47,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps: a smoke run")
     parser.add_argument("--steps", type=int, help="timed steps per schedule and m (8; quick 2)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (2; quick 1)")
     parser.add_argument("--local_rank", help=argparse.SUPPRESS)  # the deepspeed launcher's flag
     return parser.parse_known_args()
 
@@ -104,9 +100,10 @@ class SavedTensors:
 
 def rank_layers(cfg):
     """This rank's chunks as the torch engine cuts them (the DeepSpeed split is the same: one chunk per rank)."""
-    from lmrepo.models import build_model, pipe
-    from lmrepo.pipelining import Chunk, build_layer, partition
     import torch.distributed as dist
+
+    from lmrepo.engines.torch_pipeline import Chunk, build_layer, partition
+    from lmrepo.models import build_model, pipe
 
     net = build_model(cfg.model)
     layers = pipe.pipeline_layers(net, cfg.model.family)
@@ -166,35 +163,38 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
     from transformers import set_seed
 
     from lmrepo.compose import compose_config
-    from lmrepo.config import detect_device, validate
-    from lmrepo.engine import build_engine
-    from lmrepo.loop import is_pipeline
+    from lmrepo.device import detect_device
+    from lmrepo.engines import build_engine
+    from lmrepo.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
+    from lmrepo.engines.torch_pipeline import TorchPipelineEngine
+    from lmrepo.run import plan
 
-    cfg = compose_config([*overrides, f"pipeline={schedule}", f"trainer.grad_accum={m}", "precision=fp32",
-                          "trainer.device=cpu", "logger=none"])
-    ds_config, _ = validate(cfg, dist.get_world_size(), detect_device("cpu"))
+    job = plan(compose_config([*overrides, f"pipeline={schedule}", f"trainer.grad_accum={m}", "precision=fp32",
+                               "trainer.device=cpu", "logger=none"]), dist.get_world_size(), detect_device("cpu"))
+    cfg, ds_config = job.config, job.ds_config
     generator = torch.Generator().manual_seed(0)
     shape = (cfg.trainer.micro_batch_size, cfg.data.block_size)
-    batches = [torch.randint(0, cfg.model.vocab_size, shape, generator=generator) for _ in range(m)]
-    pairs = [(ids, ids) for ids in batches]  # GPT-2's loss shifts the labels itself
+    # GPT-2's loss shifts the labels itself; a pipeline feeds its first stage the inputs, its last the labels
+    batches = [{"input_ids": ids, "labels": ids}
+               for ids in (torch.randint(0, cfg.model.vocab_size, shape, generator=generator) for _ in range(m))]
 
     set_seed(cfg.trainer.seed)
-    engine = build_engine(cfg.model, cfg.checkpointing, ds_config, pipeline=cfg.pipeline)
-    assert is_pipeline(engine)
-    engine.train()
-    micro, micro_bytes = micro_step(cfg, batches[0])
+    engine = build_engine(cfg, ds_config)
+    assert isinstance(engine, (DeepSpeedPipelineEngine, TorchPipelineEngine)), type(engine)
+    (engine.ds if isinstance(engine, DeepSpeedPipelineEngine) else engine).train()
+    micro, micro_bytes = micro_step(cfg, batches[0]["input_ids"])
     for _ in range(warmup):
-        engine.train_batch(iter(pairs))
+        engine.train_step(batches)  # one train_batch of the m micro-batches
     # Paired in time: each step is followed by one micro-batch through this rank's layers alone,
     # so a busy moment of a shared machine slows both.
     step_times, micro_times = [], []
     for _ in range(steps):
-        step_times.append(timed(lambda: engine.train_batch(iter(pairs))))
+        step_times.append(timed(lambda: engine.train_step(batches)))
         micro_times.append(timed(micro))
-    params = engine.module.parameters() if hasattr(engine, "module") else engine.chunks.parameters()
+    params = engine.module.parameters() if isinstance(engine, DeepSpeedPipelineEngine) else engine.chunks.parameters()
     tracker = SavedTensors(list(params))
     with tracker.hooks():
-        engine.train_batch(iter(pairs))
+        engine.train_step(batches)
 
     saved = [torch.zeros(2) for _ in range(dist.get_world_size())]
     dist.all_gather(saved, torch.tensor([float(tracker.peak), float(micro_bytes)]))
@@ -210,17 +210,18 @@ def run_worker(args, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmrepo.engine import init_distributed, release_shm_buffer
+    from lmrepo.launch import init_distributed, release_shm_buffer
 
     torch.set_num_threads(1)
     init_distributed()
     steps = args.steps or (2 if args.quick else 8)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     model = [*(QUICK_MODEL if args.quick else MODEL), *overrides]
     rows, load = [], os.getloadavg()[0]
     try:
         for schedule in SCHEDULES:
-            for m in MICRO_BATCHES:
-                rows.append(measure(schedule, m, model, steps, args.warmup))
+            for m in (QUICK_MICRO_BATCHES if args.quick else MICRO_BATCHES):
+                rows.append(measure(schedule, m, model, steps, warmup))
                 if dist.get_rank() == 0:
                     r = rows[-1]
                     print(f"bench: {schedule} m={m}: step {r['step'] * 1e3:.0f} ms", flush=True)
@@ -266,11 +267,10 @@ def main() -> None:
     if "RANK" in os.environ:
         run_worker(args, overrides)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lmrepo.launch import free_port
+
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), str(Path(__file__).resolve()), *sys.argv[1:]]
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__).resolve()), *sys.argv[1:]]
     raise SystemExit(subprocess.run(cmd, cwd=REPO, env=env).returncode)
 
 

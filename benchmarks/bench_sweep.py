@@ -1,7 +1,7 @@
 """Sweep overhead, measured side by side: a direct `deepspeed --num_gpus 2 train.py` run against
 the same job inside a `-m` sweep of 4 jobs through lmrepo's launcher.
 
-    python scripts/bench_sweep.py [--ranks 2] [--out DIR]
+    python benchmarks/bench_sweep.py [--ranks 2] [--out DIR]
 
 Prints the sweep's wall time and, per job, the time from its start to its first training step
 against the direct run's (the launcher's overhead per job is the difference).
@@ -14,9 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import DEEPSPEED, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from lmrepo.launch import free_port
+
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32", "trainer.micro_batch_size=4",
-        "trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_every=0",
+        "trainer.max_steps=6", "schedule.warmup_steps=1", "trainer.log_every=1", "trainer.eval_every=0",
         "trainer.eval_batches=2", "logger=jsonl"]
 
 
@@ -26,10 +28,9 @@ def first_step_time(run_dir: Path) -> float:
 
 def direct_run(out: Path, ranks: int) -> float:
     run_dir = out / "direct"
-    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     started = time.time()
-    subprocess.run([deepspeed, "--num_gpus", str(ranks), str(REPO / "train.py"), *TINY, "zero=stage1",
-                    f"hydra.run.dir={run_dir}"], check=True, capture_output=True, cwd=out)
+    subprocess.run([DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "train.py"),
+                    *TINY, "zero=stage1", f"hydra.run.dir={run_dir}"], check=True, capture_output=True, cwd=out)
     return first_step_time(run_dir) - started
 
 

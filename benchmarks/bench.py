@@ -2,9 +2,12 @@
 markdown table of ratios (issue 7). Nothing here asserts a time: the ratios are printed next to
 the issue's targets.
 
-    python scripts/bench.py                   # the default job: gpt2-tiny, bf16, ZeRO-0, 1 rank (~10 min on 2 cores)
-    python scripts/bench.py --quick           # smoke run of every measurement: tiny model, a few steps, ~1.5 min
-    python scripts/bench.py model.n_layer=8   # train.py's overrides choose the job (GPT-2 models)
+    python benchmarks/bench.py                   # the default job: gpt2-tiny, precision=auto, ZeRO-0, 1 rank (~10 min on 2 cores)
+    python benchmarks/bench.py --quick           # smoke run of every measurement: 2 x 64 model, fp32, 4 steps (~1 min)
+    python benchmarks/bench.py model.n_layer=8   # train.py's overrides choose the job (GPT-2 models)
+
+precision=auto trains in bf16 where the CPU computes it natively, else in fp32. --quick is a
+smoke run: it proves every measurement runs and prints sane figures, not how fast the machine is.
 
 Every arm trains the same model (same preset and seed) on the same batches (the blocks train.py
 reads, materialized before a bare loop's clock starts) with the ds_config.json train.py wrote, on
@@ -29,15 +32,19 @@ with the seeds' bare loop as the common ruler:
 The noise floor of the paired ratios: the bare loop on two identically built engines in one process.
 Also the CPU's measured matmul peak (bf16, fp32), and the train.py runs' TFLOP/s and MFU against it.
 
+--quick: one run per arm of 4 steps (2 timed) of a 2-layer, 64-wide model on micro batches of
+2 x 32 tokens in fp32; the memory table in bf16 (its theory is mixed precision's) on 1 x 8 tokens
+per step, the bench model only; 512 x 512 matmuls for the peak; the twin engine of the noise floor
+stepped in the torch.compile process (one process start fewer).
+
 Medians of the steps after the first --warmup of each run. Results also go to <out>/results.md
 and results.json. Exit 0 when every measurement ran, 1 when one failed (its reason is printed).
 """
 import argparse
+import atexit
 import json
 import os
 import random
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,16 +53,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import common  # benchmarks/common.py: this script's folder is first on sys.path; it puts the repository next
+from common import DEEPSPEED, REPO
+from lmrepo.launch import free_port
+
 PYTHON = sys.executable
-sys.path.insert(0, str(REPO))  # conf/train.yaml names the launcher plugin in hydra_plugins/, as train.py finds it
-DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
 
 # Every train.py run of the bench: metrics every step, no evaluation until the end, no checkpoints.
 BENCH_KEYS = ["logger=jsonl", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
               "trainer.save_every=0"]
+# The smoke run: a tiny model in fp32 (a CPU without native bf16 computes bf16 matmuls ~70x slower).
 QUICK_JOB = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
-             "trainer.micro_batch_size=4"]
+             "trainer.micro_batch_size=2", "precision=fp32"]
+# The smoke run's memory table: the section checks mixed precision's 2+2+12 bytes per parameter, so
+# bf16, on 1 x 8 tokens per step (model states do not depend on the batch; a CPU without native
+# bf16 computes bf16 matmuls slowly).
+QUICK_MEMORY, QUICK_MEMORY_TOKENS = ["precision=bf16"], [1, 8]
 # A second model for the memory table, of a real model's shape: GPT-2 124M, whose token embedding
 # is 31% of it (gpt2-tiny's is 80%: see the table's note).
 REFERENCE_MODEL = ("GPT-2 124M", "model=gpt2")
@@ -64,10 +77,11 @@ REFERENCE_MODEL = ("GPT-2 124M", "model=gpt2")
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (30; quick 6)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (30; quick 4)")
     parser.add_argument("--warmup", type=int, help="first steps of each run left out of the medians (5; quick 2)")
     parser.add_argument("--rounds", type=int, help="runs of each arm, interleaved (2; quick 1)")
-    parser.add_argument("--peak-seconds", type=float, help="seconds per matmul-peak measurement (2; quick 0.3)")
+    parser.add_argument("--peak-seconds", type=float, help="seconds per matmul-peak measurement (2; quick 0.1)")
+    parser.add_argument("--peak-size", type=int, help="n of the n x n matmuls of the peak (2048; quick 512)")
     parser.add_argument("--out", help="directory for runs, logs and results (a new temporary one)")
     for hidden in ("--worker", "--spec", "--result", "--local_rank"):  # worker processes (and the launcher's flag)
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -77,11 +91,12 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
 # ---- worker side: one measurement in this process ----
 
 def run_worker(args: argparse.Namespace) -> None:
-    from lmrepo import bench
+    from lmrepo.launch import release_shm_buffer
 
+    atexit.register(release_shm_buffer)  # DeepSpeed's CPU all-reduce buffer in /dev/shm
     spec = json.loads(Path(args.spec).read_text())
-    workers = {"bare": bench.bare_loop, "fit": bench.fit_and_bare, "hf": bench.hf_trainer,
-               "memory": bench.model_state_memory}
+    workers = {"bare": common.bare_loop, "fit": common.fit_and_bare, "hf": common.hf_trainer,
+               "memory": common.model_state_memory}
     result = workers[args.worker](spec)
     suffix = f".rank{os.environ['RANK']}" if args.worker == "memory" else ""
     Path(args.result + suffix).write_text(json.dumps(result))
@@ -89,29 +104,27 @@ def run_worker(args: argparse.Namespace) -> None:
 
 # ---- orchestrator side ----
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env() -> dict:
+def child_env(ranks: int = 1) -> dict:
     """Every arm's process alike: no inherited rank variables (each single-rank process sets its own),
-    the same thread count (accelerate would otherwise set OMP_NUM_THREADS in the HF arm only)."""
+    the same thread count (accelerate would otherwise set OMP_NUM_THREADS in the HF arm only).
+    Several ranks (the memory count, which times nothing) share the threads out."""
     import torch
 
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    if ranks > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, int(env["OMP_NUM_THREADS"]) // ranks))
     env.update(TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     return env
 
 
-def run_logged(cmd: list[str], log: Path, cwd: Path, timeout: int = 1800) -> str | None:
+def run_logged(cmd: list[str], log: Path, cwd: Path, timeout: int = 1800, ranks: int = 1) -> str | None:
     """Runs cmd with its output in `log`. None when it succeeded, else the reason in one line."""
     with open(log, "w") as f:
         try:
-            proc = subprocess.run(cmd, cwd=cwd, env=child_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(cmd, cwd=cwd, env=child_env(ranks), stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout} s (log: {log})"
     if proc.returncode == 0:
@@ -124,11 +137,13 @@ def run_logged(cmd: list[str], log: Path, cwd: Path, timeout: int = 1800) -> str
 class Bench:
     def __init__(self, args: argparse.Namespace, overrides: list[str]):
         self.quick = args.quick
-        self.steps = args.steps or (6 if self.quick else 30)
+        self.steps = args.steps or (4 if self.quick else 30)
+        # the first 2 steps of an engine allocate (~20x a steady step of the smoke run's model)
         self.warmup = args.warmup if args.warmup is not None else (2 if self.quick else 5)
         self.rounds = args.rounds or (1 if self.quick else 2)
         self.block = 2 if self.quick else 5  # compile vs eager: steps per turn
-        self.peak_seconds = args.peak_seconds or (0.3 if self.quick else 2.0)
+        self.peak_seconds = args.peak_seconds or (0.1 if self.quick else 2.0)
+        self.peak_size = args.peak_size or (512 if self.quick else 2048)
         self.out = Path(args.out or tempfile.mkdtemp(prefix="lmrepo-bench-")).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
         self.job = [*(QUICK_JOB if self.quick else []), *overrides, *BENCH_KEYS, f"trainer.max_steps={self.steps}"]
@@ -139,15 +154,16 @@ class Bench:
 
         job = self.job if job is None else job
         cfg = compose_config([*job, *extra], run_dir=self.out / "unused")
-        if cfg.trainer.warmup_steps >= self.steps:  # train.py requires warmup < max_steps; lr does not change speed
-            job.append(f"trainer.warmup_steps={self.steps // 2}")
+        warmup = cfg.schedule.warmup_steps  # null: a share of the run, always valid
+        if warmup is not None and warmup >= self.steps:  # train.py requires warmup < max_steps; lr does not change speed
+            job.append(f"schedule.warmup_steps={self.steps // 2}")
             return self.compose(extra, job)
         return cfg
 
     def spec(self, name: str, **fields) -> Path:
         path = self.out / f"{name}.spec.json"
         path.write_text(json.dumps({"model": self.model, "sources": [[str(d), w] for d, w in self.sources],
-                                    "block_size": self.cfg.data.block_size, "seed": self.cfg.trainer.seed,
+                                    "block_size": self.config.data.block_size, "seed": self.config.trainer.seed,
                                     "steps": self.steps, "out_dir": str(self.out / name), **fields}))
         return path
 
@@ -155,7 +171,7 @@ class Bench:
         result = self.out / f"{name}.result.json"
         launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [PYTHON]
         error = run_logged([*launcher, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
-                            "--result", str(result)], self.out / f"{name}.log", self.out)
+                            "--result", str(result)], self.out / f"{name}.log", self.out, ranks=max(1, ranks))
         if error:
             return None, error
         if ranks:
@@ -172,36 +188,40 @@ class Bench:
         lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = sorted((l for l in lines if "loss" in l), key=lambda l: l["step"])
         elapsed = [0.0] + [l["elapsed_s"] for l in steps]
-        tokens_per_step = ds_config["train_batch_size"] * self.cfg.data.block_size
+        tokens_per_step = ds_config["train_batch_size"] * self.config.data.block_size
         return {"times": [b - a for a, b in zip(elapsed, elapsed[1:])], "losses": [l["loss"] for l in steps],
                 "window_times": [tokens_per_step / l["tokens_per_s"] for l in steps], "ds_config": ds_config}, None
 
     # ---- the measurements ----
 
     def run(self) -> dict:
-        from omegaconf import OmegaConf
-
-        from lmrepo import bench
-        from lmrepo.config import detect_device
+        from lmrepo.config import to_dict
         from lmrepo.data.prepare import prepare_sources
-        from lmrepo.metrics import measure_cpu_peak_tflops
+        from lmrepo.device import detect_device
+        from lmrepo.errors import ConfigError, exit_error
+        from lmrepo.run import plan
         from lmrepo.tokenizer import load_tokenizer
 
-        self.cfg = self.compose()
-        if self.cfg.model.family != "gpt2" or self.cfg.pipeline.schedule != "none":
-            raise SystemExit("lmrepo: error: scripts/bench.py measures GPT-2 models without a pipeline: "
-                             "choose model=gpt2* and pipeline=none")
-        self.model = OmegaConf.to_container(self.cfg.model, resolve=True)
-        self.device = detect_device(self.cfg.trainer.device)
-        tokenizer = load_tokenizer(self.cfg.model.tokenizer, self.cfg.model.pretrained)
-        self.sources = prepare_sources(self.cfg.data, tokenizer)
-        results = {"machine": bench.machine(), "job": self.job, "block_size": self.cfg.data.block_size,
+        try:
+            self.cfg = self.compose()
+            self.device = detect_device(self.cfg.trainer.device)
+            self.config = plan(self.cfg, 1, self.device).config  # train.py's checks; precision and warmup resolved
+        except ConfigError as err:
+            exit_error(str(err))
+        if self.config.model.family != "gpt2" or self.config.pipeline.schedule != "none":
+            exit_error("benchmarks/bench.py measures GPT-2 models without a pipeline: choose model=gpt2* and pipeline=none")
+        self.model = to_dict(self.config.model)
+        tokenizer = load_tokenizer(self.config.model.tokenizer, self.config.model.pretrained)
+        self.sources = prepare_sources(self.config.data, tokenizer)
+        results = {"machine": common.machine(), "job": self.job, "block_size": self.config.data.block_size,
                    "steps": self.steps, "warmup": self.warmup,
                    "rounds": self.rounds, "quick": self.quick, "out": str(self.out)}
         log = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)
 
-        log(f"CPU matmul peak ({self.peak_seconds} s per dtype)")
-        results["peak"] = {d: measure_cpu_peak_tflops(d, self.peak_seconds) for d in ("bf16", "fp32")}
+        log(f"CPU matmul peak ({self.peak_size} x {self.peak_size}, {self.peak_seconds} s per dtype)")
+        results["peak_size"] = self.peak_size
+        results["peak"] = {d: common.measure_cpu_peak_tflops(d, self.peak_seconds, self.peak_size)
+                           for d in ("bf16", "fp32")}
 
         # 1, 2: the runs, interleaved A B C D D C B A ... so drifting load reaches every arm
         arms = {"train": [], "bare": [], "fit": [], "hf": []}
@@ -225,7 +245,7 @@ class Bench:
                     result = {"times": bare["times"]["eager"], "losses": bare["losses"]["eager"]}
             elif arm == "fit":
                 result, error = self.worker("fit", name, self.spec(name, ds_config=ds_config, arms=["eager"],
-                                                                  cfg=OmegaConf.to_container(self.cfg, resolve=True)))
+                                                                  config=to_dict(self.config)))
                 if result:
                     bare = result["bare"]
                     result = {**result["fit"], "bare_times": bare["times"]["eager"],
@@ -241,19 +261,23 @@ class Bench:
         results["arms"], results["arm_errors"], results["ds_config"] = arms, errors, ds_config
         self.failures += [f"{arm}: {e}" for arm, e in errors.items()]
 
-        # 4: torch.compile against eager, in one process (in turns of a few steps)
+        # 4: torch.compile against eager, in one process (in turns of a few steps). The smoke run
+        # steps the noise floor's twin engine in that process too: one process start fewer.
+        twin = ["twin"] if self.quick else []
         if ds_config is None:
             results["compile_error"] = "no ds_config.json: the train.py run failed"
         else:
-            log("torch.compile vs eager")
+            log("torch.compile vs eager" + (" (and the noise floor's twin engine)" if twin else ""))
             result, error = self.worker("bare", "compile", self.spec("compile", ds_config=ds_config,
-                                                                     arms=["eager", "compiled"], block=self.block))
+                                                                     arms=["eager", "compiled", *twin], block=self.block))
             results["compile"], results["compile_error"] = result and result["bare"], error
+            if twin:
+                results["twins"], results["twins_error"] = result and result["bare"], error
             if error:
                 self.failures.append(f"compile: {error}")
 
         # The noise floor of a paired ratio: the same bare loop on two identically built engines.
-        if ds_config is not None:
+        if ds_config is not None and not twin:
             log("noise floor: the bare loop on two identical engines")
             result, error = self.worker("bare", "twins", self.spec("twins", ds_config=ds_config, arms=["eager", "twin"]))
             results["twins"], results["twins_error"] = result and result["bare"], error
@@ -270,7 +294,7 @@ class Bench:
             from lmrepo.run import throughput_of
 
             dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
-            throughput = replace(throughput_of(self.cfg, ds_config, self.device), peak_tflops=results["peak"][dtype])
+            throughput = replace(throughput_of(self.config, ds_config, self.device), peak_tflops=results["peak"][dtype])
             record = throughput.record(1, median_of(arms["train"], "times", self.warmup))
             results["mfu"] = {"dtype": dtype, "peak": results["peak"][dtype], "tflops": record["tflops"],
                               "mfu": record["mfu"], "tokens_per_s": record["tokens_per_s"],
@@ -279,11 +303,10 @@ class Bench:
         return results
 
     def meta(self, model: dict):
-        from omegaconf import OmegaConf
-
+        from lmrepo.config import ModelConfig, from_dict
         from lmrepo.estimate import meta_model
 
-        return meta_model(OmegaConf.create(model))
+        return meta_model(from_dict(ModelConfig, model))
 
     def params(self, model: dict) -> int:
         from lmrepo.estimate import count_parameters
@@ -291,28 +314,29 @@ class Bench:
         return count_parameters(self.meta(model))
 
     def memory(self) -> tuple[list | None, str | None]:
-        from omegaconf import OmegaConf
-
-        from lmrepo.config import validate
+        from lmrepo.config import to_dict
         from lmrepo.errors import ConfigError
         from lmrepo.estimate import count_parameters, optimizer_group_sizes
+        from lmrepo.run import plan
 
-        models = [("bench model", self.job)]
+        models = [("bench model", [*self.job, *(QUICK_MEMORY if self.quick else [])])]
         if not self.quick:  # the job's other keys, the reference model's own shape
             label, choice = REFERENCE_MODEL
             models.append((label, [o for o in self.job if not o.startswith(("model.", "model="))] + [choice]))
         spec_models = []
         try:
             for label, job in models:
-                cfgs = {stage: self.compose([f"zero=stage{stage}", "offload=none"], job) for stage in range(4)}
-                configs = {stage: validate(cfg, 2, self.device)[0] for stage, cfg in cfgs.items()}
-                model = OmegaConf.to_container(cfgs[0].model, resolve=True)
+                plans = {stage: plan(self.compose([f"zero=stage{stage}", "offload=none"], job), 2, self.device)
+                         for stage in range(4)}
+                configs = {stage: job_plan.ds_config for stage, job_plan in plans.items()}
+                model = to_dict(plans[0].config.model)
                 net = self.meta(model)
                 spec_models.append({"label": label, "model": model, "params": count_parameters(net),
                                     "group_sizes": optimizer_group_sizes(net), "ds_configs": configs})
         except ConfigError as err:
             return None, str(err)
-        per_rank, error = self.worker("memory", "memory", self.spec("memory", models=spec_models), ranks=2)
+        tokens = QUICK_MEMORY_TOKENS if self.quick else None  # None: the job's micro batch x block
+        per_rank, error = self.worker("memory", "memory", self.spec("memory", models=spec_models, tokens=tokens), ranks=2)
         return (None if error else [row for rows in per_rank for row in rows]), error
 
 
@@ -378,7 +402,8 @@ def report(r: dict) -> str:
     add("")
     add("## CPU matmul peak")
     add("")
-    add(f"| dtype | TFLOP/s (best 2048x2048 torch.matmul, {m['torch_threads']} threads) |")
+    n = r.get("peak_size", 2048)
+    add(f"| dtype | TFLOP/s (best {n}x{n} torch.matmul, {m['torch_threads']} threads) |")
     add("| --- | --- |")
     for dtype, tflops in r["peak"].items():
         add(f"| {dtype} | {tflops:.3f} |")
@@ -469,7 +494,7 @@ def report(r: dict) -> str:
     add("## 3. Model-state memory per rank")
     add("")
     if r.get("memory"):
-        add(memory_table(r["memory"], r["ds_config"] or {}))
+        add(memory_table(r["memory"]))
     if r.get("memory_error"):
         add(f"Memory could not be measured: {r['memory_error']}")
     add("")
@@ -496,10 +521,10 @@ def report(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def memory_table(rows: list[dict], ds_config: dict) -> str:
+def memory_table(rows: list[dict]) -> str:
     from lmrepo.estimate import model_state_bytes, zero12_model_state_bytes
 
-    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled", True) else "fp32"
+    dtype = rows[0]["dtype"]
     mb = lambda b: f"{b / 1e6:.1f}"
     out = [f"Measured after the second backward, before its optimizer step, on {rows[0]['world']} ranks ({dtype}); "
            "MB = 1e6 bytes. Theory: lmrepo.estimate.model_state_bytes (ZeRO paper, 2+2+12 bytes per parameter "
@@ -546,7 +571,9 @@ def main() -> None:
         return
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
-        raise SystemExit(f"lmrepo: error: unknown option {bad[0]}")
+        from lmrepo.errors import exit_error
+
+        exit_error(f"unknown option {bad[0]}")
     bench = Bench(args, overrides)
     started = time.perf_counter()
     results = bench.run()

@@ -1,0 +1,153 @@
+"""The typed schema of a training job, and its one validation pass.
+
+Each config group is a dataclass (model.py, data.py, training.py, parallel.py, output.py) whose
+fields carry their type, default and a one-line docstring; `TrainConfig` joins them and is
+registered in Hydra's ConfigStore as the schema conf/train.yaml composes over, so Hydra
+type-checks every YAML file and command-line override. `load()` turns the composed config into
+a TrainConfig object after every range and combination rule has passed: a wrong value is one
+ConfigError naming the key, before anything is written or any process group starts.
+"""
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lmrepo.config.data import DataConfig, Source, SourceConfig
+from lmrepo.config.model import Family, ModelConfig
+from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunConfig
+from lmrepo.config.parallel import (PIPELINE_FAMILIES, CheckpointingConfig, OffloadConfig, OffloadTarget,
+                                    PipelineConfig, Schedule, TPConfig, TPMode, ZeroConfig)
+from lmrepo.config.training import (Decay, Dtype, MetricsConfig, OptimizerConfig, PrecisionConfig, ScheduleConfig,
+                                    TrainerConfig)
+from lmrepo.config.messages import describe_omegaconf_error
+from lmrepo.errors import ConfigError, require
+
+__all__ = ["TrainConfig", "load", "register", "layout_check", "to_dict", "from_dict", "ModelConfig", "DataConfig", "SourceConfig",
+           "OptimizerConfig", "ScheduleConfig", "TrainerConfig", "PrecisionConfig", "MetricsConfig", "ZeroConfig",
+           "OffloadConfig", "PipelineConfig", "TPConfig", "CheckpointingConfig", "LoggerConfig", "RunConfig",
+           "LauncherConfig", "Family", "Source", "Decay", "Dtype", "OffloadTarget", "Schedule", "TPMode", "LoggerName"]
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tp: TPConfig = field(default_factory=TPConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    deepspeed_config: Optional[str] = None
+    """PATH of your own DeepSpeed JSON, laid over lmrepo's: the keys it sets win ("auto" keeps lmrepo's)"""
+
+
+SCHEMA_NAME = "lmrepo_schema"
+
+
+def register() -> None:
+    """conf/train.yaml's first default: every group composes over its dataclass. Also the
+    resolver behind `python train.py --help` (conf/hydra/help/lmrepo.yaml)."""
+    from lmrepo.config.reference import register_help_resolver
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+    register_help_resolver()
+
+
+def load(cfg: DictConfig) -> TrainConfig:
+    """The composed config as a checked TrainConfig: types (again, for keys added with `+`),
+    missing values, then each component's rules and the rules between components."""
+    try:
+        # As a plain container: a config Hydra composed over the schema is already a TrainConfig,
+        # and OmegaConf keeps the keys `+key=value` added to it when merging same-typed configs.
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=False))
+        config: TrainConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(describe_omegaconf_error(err)) from None
+    for part in (config.model, config.data, config.optimizer, config.trainer, config.precision, config.zero,
+                 config.offload, config.pipeline, config.tp, config.metrics, config.launcher):
+        part.check()
+    config.schedule.check(config.trainer.max_steps)
+    config.schedule.warmup_steps = config.schedule.resolved_warmup(config.trainer.max_steps)
+    config.checkpointing.check(config.model.shape()["n_layer"])
+    n_positions = config.model.shape()["n_positions"]
+    require(config.data.block_size <= n_positions,
+            f"data.block_size={config.data.block_size} is longer than the model's {n_positions} positions: "
+            "lower data.block_size or raise model.n_positions")
+    return config
+
+
+def layout_check(config: TrainConfig, world_size: int) -> int:
+    """The rules of the rank layout; returns the data-parallel size. world = pipeline stages x
+    tensor-parallel size x data-parallel degree."""
+    pipe, trainer = config.pipeline, config.trainer
+    require(world_size % pipe.stages == 0, f"pipeline.stages={pipe.stages} does not divide the world size "
+                                           f"{world_size}: change pipeline.stages or the rank count")
+    if pipe.schedule != "none":
+        _pipeline_check(config)
+    dp_size = world_size // pipe.stages
+    if config.tp.mode == TPMode.auto:
+        tp = config.tp.size
+        require(pipe.schedule == "none", "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none")
+        shape = config.model.shape()
+        for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
+            require(count % tp == 0, f"tp.size={tp} does not divide the model's {count} {what}: change tp.size")
+        require(dp_size % tp == 0, f"tp.size={tp} does not divide the {dp_size} rank(s) (world = tp.size x "
+                                   "data-parallel ranks): change tp.size or the rank count")
+        dp_size //= tp
+    return dp_size
+
+
+def _pipeline_check(config: TrainConfig) -> None:
+    import re
+
+    pipe, model = config.pipeline, config.model
+    require(model.family in PIPELINE_FAMILIES, f"pipeline={pipe.schedule} splits {' and '.join(PIPELINE_FAMILIES)} "
+                                               f"models, not model.family={model.family}: choose pipeline=none")
+    chunks, layers = pipe.stages * pipe.virtual_stages, model.shape()["n_layer"]
+    require(chunks <= layers, f"pipeline.stages={pipe.stages} x pipeline.virtual_stages={pipe.virtual_stages} = {chunks} "
+                              f"pipeline stages for a model of {layers} layers: every stage needs a transformer layer; "
+                              "lower pipeline.stages")
+    if pipe.partition.startswith("type:"):
+        from lmrepo.models.pipe import layer_class_names
+
+        regex = pipe.partition.removeprefix("type:")
+        matched = sum(1 for name in layer_class_names(model.family, layers) if re.search(regex, name, re.IGNORECASE))
+        require(matched >= chunks, f"pipeline.partition={pipe.partition} matches {matched} layers, fewer than the {chunks} "
+                                   f"pipeline stages: use type:{'GPT2Block' if model.family == 'gpt2' else 'BertLayer'}")
+    micro_batches = config.trainer.grad_accum or 1
+    if pipe.schedule in ("1f1b_torch", "interleaved"):
+        require(micro_batches >= pipe.stages,
+                f"pipeline={pipe.schedule} needs at least as many micro-batches as stages: trainer.grad_accum="
+                f"{micro_batches} < pipeline.stages={pipe.stages}; raise trainer.grad_accum")
+    if pipe.schedule == "interleaved":
+        rounds = max(1, micro_batches // pipe.stages)
+        require(micro_batches % rounds == 0, f"pipeline=interleaved needs trainer.grad_accum={micro_batches} to be a "
+                                             f"multiple of the {rounds} rounds of {pipe.stages} micro-batches: use a "
+                                             "multiple of pipeline.stages")
+    require(not config.trainer.compile, f"trainer.compile=true is not supported with pipeline={pipe.schedule}: "
+                                        "set trainer.compile=false")
+
+
+def from_dict(cls, data: dict):
+    """A saved section (a checkpoint's config) as its dataclass: keys the schema no longer has
+    are dropped, keys it gained take their defaults, so older checkpoints still load."""
+    known = {f.name for f in fields(cls)}
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), {k: v for k, v in data.items() if k in known}))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"a saved {cls.__name__} does not fit this version's schema: {describe_omegaconf_error(err)}") from None
+
+
+def to_dict(node) -> dict:
+    """A config (or one of its slices) as plain Python: for JSON, YAML, W&B and checkpoints."""
+    return OmegaConf.to_container(OmegaConf.structured(node), resolve=True, enum_to_str=True)

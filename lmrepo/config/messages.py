@@ -1,0 +1,93 @@
+"""Hydra's and OmegaConf's errors about a config, as one line that names the key to change."""
+import os
+from contextlib import contextmanager
+from dataclasses import fields, is_dataclass
+
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from lmrepo.errors import exit_error
+
+# Keys that moved to a component of their own (lmrepo 0.2): a user's old command is told where.
+MOVED = {old: f"{old} has moved: set {new}" for old, new in {
+    "trainer.lr": "optimizer.lr", "trainer.betas": "optimizer.betas", "trainer.eps": "optimizer.eps",
+    "trainer.weight_decay": "optimizer.weight_decay", "trainer.warmup_steps": "schedule.warmup_steps",
+    "trainer.min_lr_ratio": "schedule.min_lr_ratio", "trainer.lr_decay": "schedule=cosine|linear|constant"}.items()}
+MOVED["pipeline.engine"] = ("pipeline.engine is gone: the engine follows from pipeline.schedule (pipeline=1f1b is "
+                            "DeepSpeed's; gpipe, 1f1b_torch and interleaved are torch.distributed.pipelining)")
+
+
+def _first_line(text: str) -> str:
+    return str(text).strip().splitlines()[0] if str(text).strip() else ""
+
+
+def describe_omegaconf_error(err: OmegaConfBaseException, override: str | None = None) -> str:
+    """`override` is the command-line override being merged, when Hydra says which."""
+    key = getattr(err, "full_key", None) or ""
+    # Inside a list (data.sources) OmegaConf names the key relative to its entry: keep the override too.
+    where = f"{override}: " if override and override.partition("=")[0] != key else ""
+    if isinstance(err, MissingMandatoryValue):
+        return f"{where}{key} must be set (e.g. on the command line: {key}=...)"
+    if isinstance(err, (ConfigAttributeError, ConfigKeyError)) and "not in" in str(err):
+        if key in MOVED:
+            return MOVED[key]
+        return where + unknown_key(key, getattr(err, "object_type", None))
+    reason = _first_line(getattr(err, "msg", None) or err)
+    return f"{where}{key}: {reason}" if where else f"{override or key}: {reason}"
+
+
+def unknown_key(key: str, owner) -> str:
+    from lmrepo.config.data import DataConfig, SourceConfig
+
+    name = key.rpartition(".")[2]
+    if not is_dataclass(owner):
+        return f"{key} is not a key of the config: check its spelling (python train.py --help lists every key)"
+    known = [f.name for f in fields(owner)]
+    if owner is SourceConfig and name in {f.name for f in fields(DataConfig)}:
+        return f"{name} is not a key of a mixture source: set data.{name}, every source shares it"
+    parent = key.rpartition(".")[0]
+    return f"{key} is not a key of {parent or 'the config'} (its keys: {', '.join(known)})"
+
+
+def describe_hydra_error(err: Exception) -> str | None:
+    """One line for an error Hydra raised while composing the config, or None when it is not one."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    if isinstance(err, MissingConfigException):
+        group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        if group and err.options:
+            return f"{group}={option}: no such option; choose one of {', '.join(err.options)}"
+        return _first_line(err)
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse the override {err.override!r}: {_first_line(err.message)}"
+    if isinstance(err, ConfigCompositionException):
+        cause = err.__cause__
+        message = _first_line(err)
+        override = message.removeprefix("Error merging override ").strip() if message.startswith("Error merging") else None
+        if isinstance(cause, OmegaConfBaseException):
+            return describe_omegaconf_error(cause, override)
+        # A YAML file's own value ("In 'pipeline/1f1b': ValidationError raised while composing
+        # config:", the reason, then "full_key: ..."): name the file, the key and the reason.
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        key = next((line.removeprefix("full_key:").strip() for line in lines if line.startswith("full_key:")), None)
+        where = message.split("'")[1] if message.startswith("In '") else None
+        if key and where and len(lines) > 1:
+            return f"{key} in conf/{where}.yaml: {lines[1]}"
+        return message
+    return None
+
+
+@contextmanager
+def one_line_config_errors():
+    """Hydra prints its composition errors over several lines and exits 1; a wrong override is
+    a user's mistake like any other: one `lmrepo: error:` line, exit 2. HYDRA_FULL_ERROR makes
+    Hydra raise instead of printing, so the error can be read here (a user who set it keeps
+    Hydra's full traceback)."""
+    user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except Exception as err:
+        line = None if user_wants_traceback else describe_hydra_error(err)
+        if line is None:
+            raise
+        exit_error(line)

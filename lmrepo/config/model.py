@@ -1,0 +1,92 @@
+"""`model`: which transformers architecture is built, its shape, tokenizer and starting weights."""
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import MISSING
+
+from lmrepo.errors import ConfigError, require
+
+
+class Family(StrEnum):
+    gpt2 = "gpt2"
+    bert = "bert"
+    llama = "llama"
+
+
+@dataclass
+class ModelConfig:
+    family: Family = MISSING
+    """architecture: gpt2 (causal LM), bert (masked LM), llama (causal LM: RMSNorm, rotary, SwiGLU)"""
+    name: str = MISSING
+    """the preset's name, for tags and tables"""
+    n_layer: int = MISSING
+    """transformer blocks"""
+    n_head: int = MISSING
+    """attention (query) heads per block"""
+    n_embd: int = MISSING
+    """hidden size (channels)"""
+    n_positions: int = MISSING
+    """longest sequence in tokens (learned positions; rotary for llama)"""
+    vocab_size: int = MISSING
+    """embedding rows; at least the tokenizer's size"""
+    n_inner: Optional[int] = None
+    """MLP width in channels; null = the family's default (4 x n_embd for GPT-2)"""
+    n_kv_head: Optional[int] = None
+    """llama: key/value heads (grouped-query attention when fewer than n_head); null = n_head"""
+    rope_theta: float = 10000.0
+    """llama: rotary base"""
+    tie_embeddings: bool = True
+    """llama: share input and output embeddings (GPT-2 and BERT always do)"""
+    dropout: float = 0.0
+    """dropout probability; 0 for pretraining (nanoGPT, Llama)"""
+    tokenizer: str = "gpt2"
+    """gpt2 (GPT-2 BPE), bert (uncased WordPiece), or any Hugging Face name or path"""
+    pretrained: Optional[str] = None
+    """PATH of a Hugging Face model directory: its architecture and weights replace the preset's"""
+    zero_init: bool = False
+    """ZeRO-3: build the model already partitioned (deepspeed.zero.Init) when it does not fit one rank"""
+
+    def shape(self) -> dict:
+        """The architecture that will be built: the preset's, or the pretrained directory's."""
+        shape = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")}
+        shape["n_kv_head"] = self.n_kv_head or self.n_head
+        if self.pretrained is None:
+            return shape
+        config_file = Path(self.pretrained) / "config.json"
+        require(config_file.is_file(), f"model.pretrained={self.pretrained} has no config.json: "
+                                       "point it at a Hugging Face model directory")
+        try:
+            hf = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"model.pretrained={self.pretrained}: config.json is not valid JSON ({err})") from None
+        names = {"n_layer": ("n_layer", "num_hidden_layers"), "n_head": ("n_head", "num_attention_heads"),
+                 "n_embd": ("n_embd", "hidden_size"), "n_positions": ("n_positions", "max_position_embeddings"),
+                 "vocab_size": ("vocab_size",)}
+        for key, candidates in names.items():
+            shape[key] = next((hf[c] for c in candidates if c in hf), shape[key])
+        shape["n_kv_head"] = hf.get("num_key_value_heads") or shape["n_head"]
+        return shape
+
+    def check(self) -> None:
+        for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
+            require(getattr(self, key) >= 1, f"model.{key}={getattr(self, key)} must be >= 1")
+        for key in ("n_inner", "n_kv_head"):
+            value = getattr(self, key)
+            require(value is None or value >= 1, f"model.{key}={value} must be >= 1 (or null)")
+        require(0 <= self.dropout < 1, f"model.dropout={self.dropout} must be in [0, 1)")
+        require(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0")
+        shape = self.shape()
+        require(shape["n_embd"] % shape["n_head"] == 0,
+                f"model.n_head={shape['n_head']} does not divide model.n_embd={shape['n_embd']}: change one of them")
+        require(self.pretrained or self.n_kv_head is None or shape["n_head"] % self.n_kv_head == 0,
+                f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={shape['n_head']} "
+                "(each key/value head serves a group of query heads): change one of them")
+
+    def check_vocab(self, tokenizer_size: int) -> None:
+        """The embedding table must cover every id the tokenizer produces."""
+        vocab = self.shape()["vocab_size"]
+        require(vocab >= tokenizer_size, f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_size} "
+                                         f"tokens: set model.vocab_size={tokenizer_size} or change model.tokenizer")

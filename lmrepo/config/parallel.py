@@ -1,0 +1,194 @@
+"""`zero`, `offload`, `pipeline`, `tp`, `checkpointing`: how the model and its states are split and saved."""
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Optional
+
+from lmrepo.errors import ConfigError, require
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed's `zero_optimization` keys, named as DeepSpeed names them; null = DeepSpeed's default."""
+    stage: int = 0
+    """0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters) partitioned"""
+    allgather_partitions: Optional[bool] = None
+    """stages 1-2: all-gather updated parameters (else broadcast)"""
+    allgather_bucket_size: Optional[float] = None
+    """stages 1-2: elements per all-gather"""
+    reduce_scatter: Optional[bool] = None
+    """stage 2: reduce-scatter gradients instead of all-reduce"""
+    reduce_bucket_size: Optional[float] = None
+    """elements per gradient reduction"""
+    overlap_comm: Optional[bool] = None
+    """reduce gradients while backward still runs"""
+    contiguous_gradients: Optional[bool] = None
+    """copy gradients into one buffer: less fragmentation"""
+    sub_group_size: Optional[float] = None
+    """stage 3: elements per optimizer sub-group (bounds optimizer temporaries)"""
+    stage3_prefetch_bucket_size: Optional[float] = None
+    """stage 3: elements fetched ahead of use"""
+    stage3_param_persistence_threshold: Optional[float] = None
+    """stage 3: parameters with fewer elements stay gathered"""
+    stage3_max_live_parameters: Optional[float] = None
+    """stage 3: gathered elements held at once"""
+    stage3_max_reuse_distance: Optional[float] = None
+    """stage 3: keep a parameter gathered if reused within this many elements"""
+    stage3_gather_16bit_weights_on_model_save: Optional[bool] = None
+    """stage 3: save_16bit_model writes whole weights"""
+
+    def check(self) -> None:
+        require(self.stage in (0, 1, 2, 3), f"zero.stage={self.stage} is not 0-3: choose zero=stage0..stage3")
+        for key, value in self.__dict__.items():
+            if isinstance(value, float):
+                require(value >= 0 and value == int(value), f"zero.{key}={value} must be a whole number of elements >= 0")
+
+
+class OffloadTarget(StrEnum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+@dataclass
+class AioConfig:
+    """DeepSpeed's `aio` section (NVMe reads and writes through libaio)."""
+    block_size: int = 1048576
+    """bytes per I/O request"""
+    queue_depth: int = 8
+    """requests in flight"""
+    thread_count: int = 1
+    """I/O threads per rank"""
+    single_submit: bool = False
+    """submit requests one at a time"""
+    overlap_events: bool = True
+    """overlap submitting and waiting"""
+
+
+@dataclass
+class OffloadConfig:
+    target: OffloadTarget = OffloadTarget.none
+    """none | cpu (ZeRO-Offload, stage >= 1) | nvme (ZeRO-Infinity, stage 3, needs libaio)"""
+    params: Any = "auto"
+    """offload parameters too: auto (at ZeRO-3) | true | false"""
+    pin_memory: bool = True
+    """page-locked host buffers: faster copies to and from the GPU"""
+    nvme_path: Optional[str] = None
+    """nvme: a directory on a fast local disk with room for the model states"""
+    buffer_count: int = 5
+    """nvme: parameter swap buffers"""
+    buffer_size: float = 1.0e8
+    """nvme: elements per parameter swap buffer"""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """nvme: DeepSpeed's `aio` section"""
+
+    def check(self) -> None:
+        require(self.params in ("auto", True, False), f"offload.params={self.params} must be auto, true or false")
+        require(self.target != OffloadTarget.nvme or bool(self.nvme_path), "offload.nvme_path must be set for offload=nvme")
+        require(self.buffer_count >= 1 and self.buffer_size >= 1,
+                f"offload.buffer_count={self.buffer_count} and offload.buffer_size={self.buffer_size} must be >= 1")
+
+    def offloads_params(self, stage: int) -> bool:
+        return self.target != OffloadTarget.none and (self.params is True or (self.params == "auto" and stage == 3))
+
+
+# The engine that runs each schedule: DeepSpeed's PipelineEngine, or torch.distributed.pipelining.
+PIPELINE_ENGINES = {"none": None, "1f1b": "deepspeed", "gpipe": "torch", "1f1b_torch": "torch", "interleaved": "torch"}
+# OmegaConf matches an enum by member name, and "1f1b" is no Python identifier: the functional API.
+Schedule = StrEnum("Schedule", {name: name for name in PIPELINE_ENGINES})
+PIPELINE_FAMILIES = ("gpt2", "bert")
+
+
+@dataclass
+class PipelineConfig:
+    schedule: Schedule = Schedule["none"]
+    """none | 1f1b (DeepSpeed) | gpipe, 1f1b_torch, interleaved (torch.distributed.pipelining)"""
+    stages: int = 1
+    """pipeline ranks; world = stages x data-parallel degree"""
+    partition: str = "parameters"
+    """parameters (balance parameter counts) | uniform (layer counts) | type:<layer class regex>"""
+    virtual_stages: int = 1
+    """interleaved: model chunks per rank"""
+
+    @property
+    def engine(self) -> str | None:
+        return PIPELINE_ENGINES[self.schedule]
+
+    def check(self) -> None:
+        require(self.stages >= 1, f"pipeline.stages={self.stages} must be >= 1")
+        require(self.schedule != "none" or self.stages == 1,
+                f"pipeline.stages={self.stages} needs a pipeline schedule: choose a pipeline= option or set pipeline.stages=1")
+        require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages} must be >= 1")
+        require(self.schedule == "interleaved" or self.virtual_stages == 1,
+                f"pipeline.virtual_stages={self.virtual_stages} needs pipeline=interleaved "
+                "(the other schedules hold one chunk per rank)")
+        require(self.schedule != "interleaved" or self.virtual_stages >= 2,
+                "pipeline=interleaved needs pipeline.virtual_stages >= 2 (model chunks per rank)")
+        require(self.partition in ("parameters", "uniform") or self.partition.startswith("type:"),
+                f"pipeline.partition={self.partition} is not parameters, uniform or type:<layer class regex>")
+        if self.partition.startswith("type:"):
+            try:
+                re.compile(self.partition.removeprefix("type:"))
+            except re.error as err:
+                raise ConfigError(f"pipeline.partition={self.partition}: not a regular expression ({err})") from None
+
+
+class TPMode(StrEnum):
+    none = "none"
+    auto = "auto"
+
+
+@dataclass
+class TPConfig:
+    mode: TPMode = TPMode.none
+    """none | auto (DeepSpeed AutoTP training: each layer's matrices split over tp.size ranks)"""
+    size: int = 1
+    """tensor-parallel ranks per group; world = size x data-parallel ranks"""
+
+    def check(self) -> None:
+        if self.mode == TPMode.none:
+            require(self.size == 1, f"tp.size={self.size} needs tp=auto: set tp=auto or tp.size=1")
+        else:
+            require(self.size >= 2, f"tp.size={self.size} must be >= 2 with tp=auto (or choose tp=none)")
+
+
+class CheckpointingImpl(StrEnum):
+    deepspeed = "deepspeed"
+    torch = "torch"
+
+
+@dataclass
+class CheckpointingConfig:
+    """Activation checkpointing: blocks recompute their activations in backward."""
+    enabled: bool = False
+    """recompute activations in backward (~1/3 more compute, far less activation memory)"""
+    every_n_layers: int = 1
+    """checkpoint every n-th transformer block"""
+    impl: CheckpointingImpl = CheckpointingImpl.deepspeed
+    """deepspeed (deepspeed.checkpointing, ZeRO-R options) | torch (torch.utils.checkpoint)"""
+    partition_activations: bool = False
+    """ZeRO-R: split checkpoints across model-parallel ranks"""
+    cpu_checkpointing: bool = False
+    """ZeRO-R: keep checkpoints in CPU memory (needs partition_activations)"""
+    contiguous_memory_optimization: bool = False
+    """ZeRO-R: checkpoints into one buffer (needs number_checkpoints)"""
+    number_checkpoints: Optional[int] = None
+    """ZeRO-R: checkpoints per step, for the contiguous buffer"""
+    synchronize_checkpoint_boundary: bool = False
+    """ZeRO-R: synchronize at each checkpoint boundary"""
+
+    def check(self, n_layer: int) -> None:
+        if not self.enabled:
+            return
+        require(1 <= self.every_n_layers <= n_layer,
+                f"checkpointing.every_n_layers={self.every_n_layers} must be in [1, {n_layer}] (the model's layers)")
+        if self.impl == CheckpointingImpl.deepspeed:
+            self.check_zero_r(self.partition_activations, self.cpu_checkpointing, self.contiguous_memory_optimization,
+                              self.number_checkpoints, prefix="checkpointing.")
+
+    @staticmethod
+    def check_zero_r(partition: bool, cpu: bool, contiguous: bool, number, prefix: str) -> None:
+        """DeepSpeed's own rules for the ZeRO-R options, for lmrepo's keys and a user JSON's alike."""
+        require(not cpu or partition, f"{prefix}cpu_checkpointing needs {prefix}partition_activations=true")
+        require(not contiguous or (number and partition),
+                f"{prefix}contiguous_memory_optimization needs {prefix}partition_activations=true and {prefix}number_checkpoints")

@@ -1,0 +1,133 @@
+"""Every key of the schema with its type, value and docstring: `python train.py --help` and
+README.md's option reference are both generated here, so neither can drift from the schema.
+
+    python -m lmrepo.config.reference     # the README's option reference (markdown)
+"""
+import ast
+import enum
+import inspect
+import typing
+from dataclasses import MISSING, fields, is_dataclass
+from functools import cache
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+TECHNIQUE_GROUPS = ("model", "data", "optimizer", "schedule", "precision", "zero", "offload", "pipeline", "tp",
+                    "checkpointing", "logger", "experiment")
+
+
+@cache
+def field_docs(cls) -> dict[str, str]:
+    """The string literal under each field of a dataclass (its attribute docstring)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def type_name(kind) -> str:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union and type(None) in args:
+        return f"{type_name(next(a for a in args if a is not type(None)))} or null"
+    if origin in (list, typing.List):
+        return f"list of {type_name(args[0])}"
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return "|".join(member.value for member in kind)
+    if is_dataclass(kind):
+        return "mapping"
+    return getattr(kind, "__name__", "any").replace("Any", "any")
+
+
+def rows(cls, prefix: str = "") -> list[tuple[str, str, str, type]]:
+    """(key, type, docstring, owner dataclass) for every leaf of the schema, in schema order."""
+    hints, docs, out = typing.get_type_hints(cls), field_docs(cls), []
+    for f in fields(cls):
+        kind, key = hints[f.name], f"{prefix}{f.name}"
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        items = typing.get_args(inner[0]) if inner and typing.get_origin(inner[0]) in (list, typing.List) else ()
+        if is_dataclass(kind):
+            out += rows(kind, f"{key}.")
+        elif items and is_dataclass(items[0]):
+            out.append((key, f"list of {items[0].__name__}", docs.get(f.name, ""), cls))
+            out += rows(items[0], f"{key}[].")
+        else:
+            out.append((key, type_name(kind), docs.get(f.name, ""), cls))
+    return out
+
+
+def value_of(config: DictConfig, key: str) -> str:
+    if "[]" in key:
+        return ""
+    value = OmegaConf.select(config, key, throw_on_missing=False, throw_on_resolution_failure=False)
+    node = config
+    for part in key.split("."):  # unresolved: ${oc.env:...} shows as written
+        node = node._get_node(part) if isinstance(node, DictConfig) else None
+    raw = node._value() if node is not None else value
+    if isinstance(raw, (DictConfig, ListConfig)):
+        raw = OmegaConf.to_container(raw, resolve=False, enum_to_str=True)
+    if isinstance(raw, enum.Enum):
+        raw = raw.value
+    return "null" if raw is None else "???" if raw == "???" else str(raw).replace("True", "true").replace("False", "false")
+
+
+def group_options() -> dict[str, list[str]]:
+    return {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in TECHNIQUE_GROUPS}
+
+
+def default_choices() -> dict[str, str]:
+    defaults = OmegaConf.load(CONF_DIR / "train.yaml").defaults
+    return {k: str(v) for entry in defaults if isinstance(entry, DictConfig) for k, v in entry.items()
+            if not k.startswith("override")}
+
+
+def help_text(config: DictConfig) -> str:
+    """`python train.py --help`: the groups and every key, with the values of this composition."""
+    from lmrepo.config import TrainConfig
+
+    choices = dict(default_choices())
+    if "hydra" in config and OmegaConf.select(config, "hydra.runtime.choices") is not None:
+        choices.update({k: str(v) for k, v in config.hydra.runtime.choices.items() if k in TECHNIQUE_GROUPS})
+    lines = ["lmrepo: train GPT-2, BERT and Llama with DeepSpeed, every technique chosen by name.", "",
+             "  python train.py [group=option ...] [key=value ...]      one job (CPU or one GPU)",
+             "  deepspeed --num_gpus N train.py ...                       N ranks",
+             "  python train.py -m zero=stage0,stage3 ...                 a sweep: one job per combination", "",
+             "== Groups: group=option (* = chosen) =="]
+    for group, options in group_options().items():
+        chosen = choices.get(group)
+        lines.append(f"  {group:<14}" + ", ".join(o + ("*" if o == chosen else "") for o in options))
+    lines += ["", "== Keys: key=value (type; value in this composition; meaning) =="]
+    table = [(key, kind, value_of(config, key), doc) for key, kind, doc, _ in rows(TrainConfig)]
+    width = max(len(key) for key, *_ in table)
+    for key, kind, value, doc in table:
+        lines.append(f"  {key:<{width}}  {kind}; {value or '-'}; {doc}")
+    lines += ["", "Hydra's own flags: python train.py --hydra-help"]
+    return "\n".join(lines).replace("$", "$$")  # Hydra fills the template with string.Template
+
+
+def markdown(config: DictConfig) -> str:
+    """README.md's option reference: one table row per key, defaults of `python train.py`."""
+    from lmrepo.config import TrainConfig
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, kind, doc, _ in rows(TrainConfig):
+        value = value_of(config, key)
+        out.append(f"| `{key}` | {cell(kind)} | {'`' + cell(value) + '`' if value else ''} | {cell(doc)} |")
+    return "\n".join(out)
+
+
+def register_help_resolver() -> None:
+    if not OmegaConf.has_resolver("lmrepo_help"):
+        OmegaConf.register_new_resolver("lmrepo_help", lambda *, _root_: help_text(_root_))
+
+
+if __name__ == "__main__":
+    from lmrepo.compose import compose_config
+
+    print(markdown(compose_config([], run_dir="${hydra:runtime.output_dir}")))

@@ -1,0 +1,42 @@
+"""What the loop, checkpointing and evaluation ask of a training engine. DeepSpeed's engine
+(engines/deepspeed.py), DeepSpeed's pipeline engine (engines/deepspeed_pipeline.py) and the
+torch.distributed.pipelining engine (engines/torch_pipeline.py) each implement it; another
+engine (FSDP2, ...) is one more module that does."""
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+class Engine(Protocol):
+    device: torch.device
+    dp_rank: int   # this rank's place among the ranks that read different samples
+    dp_size: int   # how many such ranks (pipeline stages and tensor-parallel ranks of one replica read the same)
+
+    def train_step(self, batches: list[dict]) -> torch.Tensor:
+        """Forward and backward over one optimizer step's micro batches, then the step; the mean
+        loss of this rank's micro batches (a pipeline: of its replica's, on every stage)."""
+
+    def eval_loss(self, batches: list[dict]) -> torch.Tensor:
+        """Mean loss over `batches`, no gradients, the model left in training mode."""
+
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+
+    def step_record(self) -> dict:
+        """Engine-specific figures for the metrics line (fp16: loss_scale, skipped_steps)."""
+
+    def save(self, directory: Path, tag: str, client_state: dict) -> None:
+        """This rank's files of checkpoint `tag` under `directory` (every rank calls it)."""
+
+    def load(self, directory: Path, tag: str) -> dict:
+        """Restores checkpoint `tag`; returns the client state saved with it."""
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def pipeline_inputs(batches: list[dict]):
+    """A pipeline feeds its first stage the inputs and its last stage the labels."""
+    return iter([(batch["input_ids"], batch["labels"]) for batch in batches])

@@ -1,0 +1,130 @@
+"""DeepSpeed's engine around a plain transformers model: ZeRO 0-3, offload, precision, AutoTP."""
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from transformers.integrations import HfDeepSpeedConfig
+
+from lmrepo.config import CheckpointingConfig, ModelConfig
+from lmrepo.engines.base import to_device
+from lmrepo.errors import ConfigError
+from lmrepo.models import build_model
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear and embedding weights), not on biases and norms (as nanoGPT)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            # Under ZeRO-3's zero.Init a parameter is an empty placeholder; ds_shape is its real shape.
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            (decay if ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def initialize(model: torch.nn.Module, ds_config: dict, mpu=None):
+    """deepspeed.initialize with lmrepo's parameter groups; the weight decay is the final dict's."""
+    weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
+                                      config=ds_config, mpu=mpu)
+    return engine
+
+
+def enable_activation_checkpointing(model, checkpointing: CheckpointingConfig, ds_config: dict) -> None:
+    if not checkpointing.enabled:
+        return
+    model.activation_checkpointing_enable(every_n_layers=checkpointing.every_n_layers)
+    if checkpointing.impl == "deepspeed":
+        # transformers' checkpointed layers call `_gradient_checkpointing_func`; DeepSpeed's
+        # version adds the ZeRO-R options of the `activation_checkpointing` section.
+        # As keywords: configure(deepspeed_config=...) re-checks the batch keys against the
+        # whole world, which a pipeline's data-parallel batch does not satisfy.
+        section = ds_config.get("activation_checkpointing", {})
+        deepspeed.checkpointing.configure(
+            None, partition_activations=section.get("partition_activations"),
+            contiguous_checkpointing=section.get("contiguous_memory_optimization"),
+            num_checkpoints=section.get("number_checkpoints"), checkpoint_in_cpu=section.get("cpu_checkpointing"),
+            synchronize=section.get("synchronize_checkpoint_boundary"))
+        for module in model.modules():
+            if hasattr(module, "_gradient_checkpointing_func"):
+                module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
+
+
+def tensor_parallel_groups(ds_config: dict):
+    """AutoTP's process groups, made before deepspeed.initialize and handed to it as `mpu`:
+    without them DeepSpeed checks train_batch_size against the whole world, counting each
+    tensor-parallel rank as a data-parallel one."""
+    size = ds_config.get("tensor_parallel", {}).get("autotp_size", 0)
+    if size <= 1:
+        return None
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=size)
+    return groups
+
+
+class DeepSpeedEngine:
+    """lmrepo's Engine over a DeepSpeedEngine (`self.ds`)."""
+
+    def __init__(self, ds_engine):
+        self.ds, self.device = ds_engine, ds_engine.device
+        if ds_engine.autotp_size() > 1:  # one tensor-parallel group reads the same samples
+            self.dp_rank, self.dp_size = ds_engine.mpu.get_data_parallel_rank(), ds_engine.mpu.get_data_parallel_world_size()
+        else:
+            self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def train_step(self, batches: list[dict]) -> torch.Tensor:
+        losses = []
+        for batch in batches:
+            loss = self.ds(**to_device(batch, self.device)).loss
+            self.ds.backward(loss)
+            self.ds.step()  # DeepSpeed steps the optimizer at the accumulation boundary
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[dict]) -> torch.Tensor:
+        self.ds.eval()
+        mean = torch.stack([self.ds(**to_device(batch, self.device)).loss.float() for batch in batches]).mean()
+        self.ds.train()
+        return mean
+
+    def lr(self) -> float:
+        return self.ds.get_lr()[0]
+
+    def step_record(self) -> dict:
+        """fp16 only (GPU): the dynamic loss scale and how many steps overflowed and were skipped."""
+        if not self.ds.fp16_enabled():
+            return {}
+        return {"loss_scale": float(self.ds.optimizer.loss_scale), "skipped_steps": int(self.ds.skipped_steps)}
+
+    def save(self, directory: Path, tag: str, client_state: dict) -> None:
+        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, directory: Path, tag: str) -> dict:
+        path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise ConfigError(f"DeepSpeed could not load {directory / tag}: check run.resume")
+        return client_state or {}
+
+
+def build(model_cfg: ModelConfig, checkpointing: CheckpointingConfig, ds_config: dict,
+          compile: bool = False) -> DeepSpeedEngine:
+    zero3 = None
+    if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
+        # While this object lives, transformers builds (and loads) the model under
+        # deepspeed.zero.Init: each rank materializes only its partition. Random init then
+        # draws in another order, so the weights differ from a run of another stage.
+        zero3 = HfDeepSpeedConfig(ds_config)
+    model = build_model(model_cfg)
+    enable_activation_checkpointing(model, checkpointing, ds_config)
+    engine = DeepSpeedEngine(initialize(model, ds_config, mpu=tensor_parallel_groups(ds_config)))
+    if compile:
+        engine.ds.compile()  # in place: parameter names, hence checkpoints, are unchanged
+    engine.zero3_hf_config = zero3  # keep alive for the engine's lifetime
+    return engine

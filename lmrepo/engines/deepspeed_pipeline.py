@@ -1,0 +1,53 @@
+"""DeepSpeed's PipelineModule and PipelineEngine (`pipeline=1f1b`): GPT-2 / BERT split into
+pipeline layers (lmrepo.models.pipe), 1F1B over trainer.grad_accum micro-batches per step."""
+import torch
+from deepspeed.pipe import PipelineModule
+
+from lmrepo.config import CheckpointingConfig, ModelConfig, PipelineConfig
+from lmrepo.engines.base import pipeline_inputs
+from lmrepo.engines.deepspeed import DeepSpeedEngine, enable_activation_checkpointing, initialize
+from lmrepo.models import build_model, pipe
+
+
+def count_every_stage_in_clip_norm(module: PipelineModule) -> None:
+    """DeepSpeed's fp32 ZeRO-0 gradient clipping (deepspeed.runtime.utils.clip_grad_norm_) counts a
+    gradient when `mpu.get_model_parallel_rank() == 0` or the parameter is marked model-parallel;
+    a pipeline's grid answers that rank with the stage index, so only the first stage's gradients
+    made the norm (measured: clip coefficient 0.651 where the whole model's norm gives 0.518).
+    Marking each stage's own parameters counts them all once; the tied copies DeepSpeed marks
+    `ds_pipe_replicated` stay unmarked, so only the first stage counts them. Every other
+    DeepSpeed use of the mark tests the tensor-parallel rank, which is 0 here: no other effect."""
+    for param in module.parameters():
+        if not getattr(param, "ds_pipe_replicated", False):
+            param.model_parallel = True
+
+
+class DeepSpeedPipelineEngine(DeepSpeedEngine):
+    """lmrepo's Engine over DeepSpeed's PipelineEngine: a step is one train_batch."""
+
+    def __init__(self, ds_engine):
+        self.ds, self.device = ds_engine, ds_engine.device
+        self.dp_rank, self.dp_size = ds_engine.grid.get_data_parallel_rank(), ds_engine.grid.get_data_parallel_world_size()
+
+    def train_step(self, batches: list[dict]) -> torch.Tensor:
+        return self.ds.train_batch(pipeline_inputs(batches)).detach().float()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[dict]) -> torch.Tensor:
+        self.ds.eval()
+        mean = self.ds.eval_batch(pipeline_inputs(batches), num_micro_batches=len(batches)).float()
+        self.ds.train()
+        return mean
+
+
+def build(model_cfg: ModelConfig, checkpointing: CheckpointingConfig, pipeline: PipelineConfig,
+          ds_config: dict) -> DeepSpeedPipelineEngine:
+    """The whole transformers model is built on every rank first (the same seeded weights as a
+    non-pipelined run); each rank then keeps only its stage's layers."""
+    net = build_model(model_cfg)
+    enable_activation_checkpointing(net, checkpointing, ds_config)  # the blocks checkpoint themselves
+    module = PipelineModule(layers=pipe.pipeline_layers(net, model_cfg.family), num_stages=pipeline.stages,
+                            loss_fn=pipe.LMLoss(model_cfg.family, net.config.vocab_size),
+                            partition_method=pipeline.partition)  # type:GPT2Block also matches GPT2BlockPipe
+    count_every_stage_in_clip_norm(module)
+    return DeepSpeedPipelineEngine(initialize(module, ds_config))
