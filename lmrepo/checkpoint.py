@@ -1,20 +1,26 @@
 """DeepSpeed checkpoints under run.dir/checkpoints that never lose work.
 
 - `latest` only ever names a checkpoint every rank has finished writing (DeepSpeed's own
-  pointer is written by rank 0 while other ranks may still be writing).
+  pointer is written by rank 0 while other ranks may still be writing), and only once its
+  files are on disk (fsync) with their sizes and checksums recorded in its `manifest.json`;
+  older checkpoints are pruned only after that.
 - Client state: the training position (step, samples consumed), the data-parallel size, the
-  composed config; each rank also saves its RNG states. DeepSpeed itself saves model,
-  optimizer, LR scheduler and loss scaler.
-- A checkpoint is inspected before any process group starts: truncated files, another
-  model's or another vocabulary's checkpoint stop with one line.
+  composed config; each rank also saves its RNG states (as tensors and numbers). DeepSpeed
+  itself saves model, optimizer, LR scheduler and loss scaler.
+- A checkpoint is inspected before any process group starts (missing or truncated files,
+  another model's or another vocabulary's checkpoint) and its checksums verified before the
+  engine loads it: each is one line. Every file is read weights-only (lmrepo.safe_load).
 - Resuming on another data-parallel size goes through DeepSpeed's universal checkpoint
   (ds_to_universal, then `checkpoint.load_universal`), converted once, automatically.
 """
+import hashlib
+import json
 import os
 import random
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +30,12 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
+from lmrepo import safe_load
 from lmrepo.config import ModelConfig, PipelineConfig, from_dict
 from lmrepo.engines.base import Engine
-from lmrepo.errors import ConfigError
+from lmrepo.errors import ConfigError, TrainingError, disk_error
 from lmrepo.loop import TrainState
+from lmrepo.rundir import fsync_dir, write_durably
 
 # ZeRO-3 writes the model states (and our client state) per rank; the others once.
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -43,23 +51,135 @@ def tag_for(step: int) -> str:
 
 # --- saving (every rank) -------------------------------------------------------------------
 
-def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int,
-         keep_last: int) -> None:
+MANIFEST = "manifest.json"
+
+
+def rng_state() -> dict:
+    """This rank's RNG states as tensors and numbers: loadable weights-only."""
+    version, keys, gauss = random.getstate()
+    kind, state, pos, has_gauss, cached = np.random.get_state()
+    rng = {"python": {"version": version, "state": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
+           "numpy": {"kind": kind, "state": torch.from_numpy(state.astype(np.int64)), "pos": int(pos),
+                     "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def set_rng_state(rng: dict) -> None:
+    python, numpy = rng["python"], rng["numpy"]
+    if isinstance(python, tuple):  # written before lmrepo 0.2: the states as Python and numpy objects
+        random.setstate(python)
+        np.random.set_state(numpy)
+    else:
+        random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+        np.random.set_state((numpy["kind"], numpy["state"].numpy().astype(np.uint32), numpy["pos"],
+                             numpy["has_gauss"], numpy["cached_gaussian"]))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def file_record(path: Path) -> tuple[int, str]:
+    """(size, checksum), the file forced to disk on the way: blake2b reads ~1 GB/s."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "blake2b").hexdigest()[:32]
+        os.fsync(f.fileno())
+    return path.stat().st_size, digest
+
+
+def write_manifest(tag_dir: Path) -> None:
+    """Every rank records (and syncs) its share of the files; rank 0 writes them all down. After
+    this, a file that differs from its record in size or content is detected before loading."""
+    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {str(p.relative_to(tag_dir)): file_record(p) for p in files[rank::world]}
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        records = {name: record for share in shares for name, record in share.items()}
+        write_durably(tag_dir / MANIFEST, json.dumps({"files": records}, indent=1, sort_keys=True))
+        fsync_dir(tag_dir)
+
+
+def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int) -> str:
+    """Every rank writes its files of checkpoint step_N, synced and recorded in its manifest;
+    nothing names it yet (promote). Returns the tag."""
     tag = tag_for(state.step)
     client_state = {"step": state.step, "consumed": state.consumed, "dp_size": engine.dp_size,
                     "config": config, "tokenizer_size": tokenizer_size}
-    engine.save(checkpoint_dir, tag, client_state)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, checkpoint_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
-    dist.barrier()  # every rank's files are complete before `latest` may name them
+    if dist.get_rank() == 0 and (checkpoint_dir / tag).exists():
+        shutil.rmtree(checkpoint_dir / tag)  # a crashed run's unconfirmed save of this step: its files must not mix in
+    dist.barrier()
+    try:
+        engine.save(checkpoint_dir, tag, client_state)
+        torch.save(rng_state(), checkpoint_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
+        dist.barrier()  # every rank's files are complete before they are recorded and `latest` may name them
+        write_manifest(checkpoint_dir / tag)
+    except Exception as err:
+        if (reason := disk_error(err) or write_failure(err, checkpoint_dir)) is None:
+            raise
+        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # never half a checkpoint; `latest` still names a whole one
+        latest = checkpoint_dir / "latest"
+        kept = f"{latest.read_text().strip()} is intact" if latest.is_file() else "there is no earlier checkpoint"
+        raise TrainingError(f"saving checkpoint {checkpoint_dir / tag} failed: {reason}; {kept}: free space, then "
+                            "resume with run.resume=auto") from None
+    return tag
+
+
+def write_failure(err: BaseException, directory: Path) -> str | None:
+    """torch.save reports a full disk as a RuntimeError of its zip writer ("file write failed",
+    then "unexpected pos" from closing the archive), without the errno: ask the disk."""
+    messages = []
+    while err is not None and len(messages) < 8:
+        messages.append(str(err))
+        err = err.__cause__ or err.__context__
+    free = shutil.disk_usage(directory).free
+    if free >= 2**26 and not any("write failed" in m for m in messages):
+        return None
+    return f"no space left on device ({free / 2**20:.0f} MiB free in {directory})"
+
+
+def promote(checkpoint_dir: Path, tag: str, keep_last: int) -> None:
+    """`latest` names `tag` (the old pointer or the new one survives a crash), then older
+    checkpoints beyond keep_last go: a pruned checkpoint is never one `latest` names."""
     if dist.get_rank() == 0:
-        tmp = checkpoint_dir / "latest.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, checkpoint_dir / "latest")  # atomic: a crash leaves the old pointer or the new
+        write_durably(checkpoint_dir / "latest", tag)
         prune(checkpoint_dir, keep_last, keep=tag)
     dist.barrier()
+
+
+class Checkpointer:
+    """A saved checkpoint is on probation until the loss of the next step (or the final
+    evaluation) shows its weights are finite: only then does `latest` name it and pruning
+    count it. A non-finite loss discards the checkpoint on probation instead, so NaN weights
+    are never what `latest` names and never push a good checkpoint out."""
+
+    def __init__(self, engine: Engine, checkpoint_dir: Path, config: dict, tokenizer_size: int, keep_last: int,
+                 on_saved=None):
+        self.engine, self.directory, self.config = engine, checkpoint_dir, config
+        self.tokenizer_size, self.keep_last, self.on_saved = tokenizer_size, keep_last, on_saved
+        self.pending: str | None = None
+
+    def save(self, state: TrainState) -> None:
+        started = time.perf_counter()
+        self.pending = save(self.engine, self.directory, state, self.config, self.tokenizer_size)
+        if self.on_saved is not None:
+            self.on_saved(state.step, time.perf_counter() - started, size_gb(self.directory / self.pending))
+
+    def confirm(self) -> None:
+        """The weights of the checkpoint on probation gave a finite loss."""
+        if self.pending is not None:
+            promote(self.directory, self.pending, self.keep_last)
+            self.pending = None
+
+    def abandon(self) -> None:
+        """The checkpoint on probation holds weights that gave a non-finite loss."""
+        if self.pending is not None:
+            if dist.get_rank() == 0:
+                shutil.rmtree(self.directory / self.pending, ignore_errors=True)
+            self.pending = None
 
 
 def size_gb(tag_dir: Path) -> float:
@@ -109,16 +229,56 @@ def find(resume: str | None, checkpoint_dir: Path) -> tuple[Path, str] | None:
 
 
 def check_files(tag_dir: Path) -> Path:
-    """Returns the model-states file, after checking that no file is missing its end."""
+    """Returns the model-states file, after checking that every file the manifest lists is there
+    with its recorded size (checkpoints without a manifest, from before lmrepo 0.2: that no
+    file is missing its end)."""
     states = model_states_file(tag_dir)
     if states is None:
         raise ConfigError(f"checkpoint {tag_dir} has no model states file: it is incomplete; resume from another "
                           "(run.resume=PATH) or start fresh")
-    for f in tag_dir.glob("*.pt"):
-        # torch.save writes a zip archive; a truncated one has lost its central directory.
-        if not zipfile.is_zipfile(f):
-            raise ConfigError(f"checkpoint file {f} is truncated or corrupt: resume from another checkpoint (run.resume=PATH)")
+    manifest = read_manifest(tag_dir)
+    if manifest is None:
+        for f in tag_dir.glob("*.pt"):
+            # torch.save writes a zip archive; a truncated one has lost its central directory.
+            if not zipfile.is_zipfile(f):
+                raise ConfigError(f"checkpoint file {f} is truncated or corrupt: resume from another checkpoint "
+                                  "(run.resume=PATH)")
+        return states
+    for name, (size, _) in manifest.items():
+        path = tag_dir / name
+        if not path.is_file():
+            raise ConfigError(f"checkpoint file {path} is missing: resume from another checkpoint (run.resume=PATH)")
+        if path.stat().st_size != size:
+            raise ConfigError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were saved: it is "
+                              "truncated or overwritten; resume from another checkpoint (run.resume=PATH)")
     return states
+
+
+def read_manifest(tag_dir: Path) -> dict | None:
+    path = tag_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{path} is corrupt: resume from another checkpoint (run.resume=PATH)") from None
+
+
+def verify(resume: "Resume") -> None:
+    """Every rank checks the checksums of its share of the checkpoint's files (after the process
+    group exists, so the ranks share the work and reach one verdict): a file changed anywhere,
+    not only at its end, is one line before the engine reads it."""
+    tag_dir = resume.directory / resume.tag
+    manifest = read_manifest(tag_dir) or {}
+    names = sorted(manifest)
+    bad = [name for name in names[dist.get_rank()::dist.get_world_size()]
+           if file_record(tag_dir / name)[1] != manifest[name][1]]
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, bad)
+    damaged = sorted(name for verdict in verdicts for name in verdict)
+    if damaged:
+        raise ConfigError(f"checkpoint file {tag_dir / damaged[0]} differs from what was saved (checksum): it is "
+                          "corrupt; resume from another checkpoint (run.resume=PATH)")
 
 
 def pipeline_layout(pipeline: PipelineConfig) -> dict:
@@ -134,7 +294,9 @@ def inspect(directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: i
     tag_dir = directory / tag
     states_file = check_files(tag_dir)
     try:
-        states = torch.load(states_file, map_location="cpu", weights_only=False)
+        states = safe_load.load(states_file)
+    except ConfigError:
+        raise
     except Exception as err:  # unpickling errors of many kinds
         raise ConfigError(f"checkpoint {states_file} cannot be read ({type(err).__name__}): "
                           "resume from another checkpoint") from None
@@ -142,8 +304,11 @@ def inspect(directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: i
         raise ConfigError(f"checkpoint {tag_dir} was not written by lmrepo (no training position): "
                           "point run.resume at an lmrepo checkpoint")
     saved = states["config"]["model"]
-    shape_keys = ("family", "n_layer", "n_head", "n_embd", "vocab_size", "pretrained")
-    differs = [k for k in shape_keys if saved.get(k) != getattr(model_cfg, k)]
+    shape_keys = ("family", "n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "n_kv_head",
+                  "tie_embeddings", "pretrained")
+    # A key the checkpoint's config does not have (older lmrepo) is the schema's default.
+    saved_model = from_dict(ModelConfig, saved)
+    differs = [k for k in shape_keys if getattr(saved_model, k) != getattr(model_cfg, k)]
     if differs:
         raise ConfigError(f"checkpoint {tag_dir} is of another model ({', '.join(f'model.{k}={saved.get(k)}' for k in differs)}): "
                           "resume with the same model settings or point run.resume elsewhere")
@@ -171,7 +336,7 @@ def prepare_universal(resume: Resume, dp_size: int) -> Resume:
     with FileLock(str(target) + ".lock"):
         if not (target / "done").exists():
             shutil.rmtree(target, ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+            proc = subprocess.run([sys.executable, "-m", "lmrepo.safe_load", "deepspeed.checkpoint.ds_to_universal",
                                    "--input_folder", str(source), "--output_folder", str(target),
                                    "--inject_missing_state"], capture_output=True, text=True)
             if proc.returncode != 0:
@@ -186,14 +351,14 @@ def prepare_universal(resume: Resume, dp_size: int) -> Resume:
 
 # --- loading (every rank, after the engine is built) ---------------------------------------
 
+# RNG files written before lmrepo 0.2 hold numpy's state as an array: these rebuild it, nothing else.
+NUMPY_STATE_GLOBALS = (np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType)
+
+
 def load(engine: Engine, resume: Resume) -> TrainState:
-    engine.load(resume.directory, resume.tag)
+    with safe_load.weights_only_loads(resume.directory / resume.tag):
+        engine.load(resume.directory, resume.tag)
     rng_file = resume.directory / resume.tag / f"rng_rank{dist.get_rank():05d}.pt"
     if not resume.universal and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        set_rng_state(safe_load.load(rng_file, extra_globals=NUMPY_STATE_GLOBALS))
     return TrainState(step=resume.step, consumed=resume.consumed)

@@ -23,3 +23,15 @@ def exit_error(message: str, code: int = 2) -> NoReturn:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"lmrepo: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+def disk_error(err: BaseException | None) -> str | None:
+    """What went wrong with a file ("no space left on device", "permission denied", ...), from
+    the OSError in an exception chain (libraries wrap their workers' errors), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen and not (isinstance(err, OSError) and err.strerror):
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    if err is None or id(err) in seen:
+        return None
+    return err.strerror.lower() + (f" ({err.filename})" if err.filename else "")

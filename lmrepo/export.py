@@ -1,12 +1,14 @@
 """A DeepSpeed checkpoint of any ZeRO stage -> a Hugging Face model directory (config,
-safetensors weights, tokenizer) that AutoModelForCausalLM / AutoModelForMaskedLM load."""
+safetensors weights, tokenizer) that AutoModelForCausalLM / AutoModelForMaskedLM load; or the
+same model kept in memory (consolidate), for evaluation."""
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from transformers import AutoConfig
 
-from lmrepo import checkpoint
+from lmrepo import checkpoint, safe_load
 from lmrepo.config import ModelConfig, from_dict
 from lmrepo.errors import ConfigError
 from lmrepo.models import FAMILIES, pipe
@@ -17,7 +19,8 @@ def consolidated_state_dict(directory: Path, tag: str, states: dict) -> dict:
     """fp32 weights: from the (fp32 master) optimizer partitions when the optimizer state is
     partitioned (ZeRO 1-3, bf16), else the module weights saved whole (ZeRO-0 fp32)."""
     if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
-        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+        with safe_load.weights_only_loads(directory / tag):
+            return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
     return {k: v.float() for k, v in states["module"].items()}
 
 
@@ -26,23 +29,35 @@ def pipeline_state_dict(tag_dir: Path, model, family: str) -> dict:
     pipelines write the same): map each layer's parameter names back to the transformers names."""
     state = {}
     for index, names in pipe.hf_names(model, family).items():
-        layer = torch.load(tag_dir / f"layer_{index:02d}-model_states.pt", map_location="cpu", weights_only=True)
+        layer = safe_load.load(tag_dir / f"layer_{index:02d}-model_states.pt")
         state.update({names[name]: tensor.float() for name, tensor in layer.items() if name in names})
     return state
 
 
-def export(source: str, out: Path) -> Path:
+@dataclass
+class Consolidated:
+    """A checkpoint's whole model in memory, whatever layout saved it."""
+    model: torch.nn.Module   # the transformers model, fp32, every weight joined
+    config: ModelConfig      # the run's model settings (its tokenizer, family)
+    tag_dir: Path            # the checkpoint it came from
+    step: int                # the optimizer step it was saved at
+
+
+def consolidate(source: str) -> Consolidated:
+    """A run directory, its checkpoints/ or a checkpoints/<tag> as one transformers model in
+    memory: ZeRO partitions (any stage) and pipeline layer files joined on the CPU, nothing written."""
     found = checkpoint.find(source, Path(source) / "checkpoints")
     if found is None:
         raise ConfigError(f"{source} holds no checkpoint: train with trainer.save_every=N first")
     directory, tag = found
-    states = torch.load(checkpoint.check_files(directory / tag), map_location="cpu", weights_only=False)
+    states = safe_load.load(checkpoint.check_files(directory / tag))
     if "config" not in states:
         raise ConfigError(f"{directory / tag} was not written by lmrepo: no config to rebuild the model from")
     tp = states["config"].get("tp") or {}
     if tp.get("mode") == "auto":
         raise ConfigError(f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank saved "
-                          "its own slice of the weights and export does not join them; export a tp=none run")
+                          "its own slice of the weights and lmrepo does not join them: export or evaluate a tp=none run "
+                          "(eval.tasks evaluates a tp=auto run during training, on its live engine)")
     model_cfg = from_dict(ModelConfig, states["config"]["model"])
     family = FAMILIES[model_cfg.family]
     hf_config = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
@@ -57,7 +72,12 @@ def export(source: str, out: Path) -> Path:
         raise ConfigError(f"{directory / tag}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
                           f"unexpected {unexpected[:3]})")
     model.tie_weights()
+    return Consolidated(model, model_cfg, directory / tag, int(states.get("step", 0)))
+
+
+def export(source: str, out: Path) -> Path:
+    whole = consolidate(source)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    load_tokenizer(model_cfg.tokenizer, model_cfg.pretrained).save_pretrained(out)
+    whole.model.save_pretrained(out)
+    load_tokenizer(whole.config.tokenizer, whole.config.pretrained).save_pretrained(out)
     return out

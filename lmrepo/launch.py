@@ -83,16 +83,67 @@ def ensure_single_process_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: float = 0) -> None:
+    """The process group: gloo on CPU (ccl when oneCCL is installed), NCCL on CUDA, as the
+    accelerator says. `timeout_s` bounds every collective, also in the groups DeepSpeed creates
+    later without a timeout of their own (they take torch's default, set here); 0 keeps
+    DeepSpeed's 10 minutes for the world group and torch's 30 for the others."""
+    from datetime import timedelta
+
     import deepspeed
+    import torch.distributed.distributed_c10d as c10d
     from deepspeed.accelerator import get_accelerator
 
     from lmrepo.quiet import quiet_prints
 
     ensure_single_process_env()
-    # gloo on CPU (ccl when oneCCL is installed), NCCL on CUDA: the accelerator knows.
+    kwargs = {}
+    if timeout_s:
+        kwargs["timeout"] = c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     with quiet_prints():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kwargs)
+
+
+SHM_PREFIX = "deepspeed_allreduce_buffer_"
+SHM_BYTES = 69_206_024  # DeepSpeed 0.19's allreduce_workspace: 2 x 1 MiB + 2 x 32 MiB + flags, per rank
+
+
+def prepare_shm() -> None:
+    """DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm when the deepspeed
+    launcher starts the ranks (LOCAL_SIZE set). Before it does: remove the buffers of this user
+    that no live process maps (a run killed with -9 leaves its own), and refuse a /dev/shm too
+    small for this node's ranks (Docker's default is 64 MiB): DeepSpeed would crash on it."""
+    local_size = int(os.environ.get("LOCAL_SIZE", "0"))
+    shm = Path("/dev/shm")
+    if not local_size or not shm.is_dir():
+        return
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        mapped = mapped_shm_names()
+        for stale in shm.glob(f"{SHM_PREFIX}{os.getuid()}_*"):
+            if stale.name not in mapped:
+                stale.unlink(missing_ok=True)
+    import shutil
+
+    from lmrepo.errors import ConfigError
+
+    free = shutil.disk_usage(shm).free
+    mine = sum(1 for _ in shm.glob(f"{SHM_PREFIX}{os.getuid()}_*_{os.environ.get('MASTER_PORT')}_*"))
+    needed = SHM_BYTES * (local_size - mine)
+    if free < needed:
+        raise ConfigError(f"/dev/shm has {free / 2**20:.0f} MiB free; DeepSpeed's CPU all-reduce needs 66 MiB for each "
+                          f"of this node's {local_size} ranks: free it, or give the container more (docker run --shm-size=1g)")
+
+
+def mapped_shm_names() -> set[str]:
+    """The /dev/shm buffer names some live process of this user has mapped."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue  # gone, or another user's
+        names.update(line.rsplit("/", 1)[1] for line in text.splitlines() if f"/dev/shm/{SHM_PREFIX}" in line)
+    return names
 
 
 def release_shm_buffer() -> None:
@@ -100,6 +151,6 @@ def release_shm_buffer() -> None:
     after the master address and port, when the process exits: a machine that runs many jobs
     fills its shared memory (seen here: 15 GB, then the OOM killer). Each rank unlinks its own;
     the mapping stays valid until the process exits."""
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+    name = (f"{SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
             f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}")
     Path("/dev/shm", name).unlink(missing_ok=True)

@@ -3,13 +3,13 @@ DeepSpeed dict (lmrepo's, with a user's JSON laid over it) against this machine 
 import os
 from pathlib import Path
 
-from lmrepo.config import CheckpointingConfig, TrainConfig, TPMode
+from lmrepo.config import CheckpointingConfig, ModelConfig, PipelineConfig, TPConfig, TPMode
 from lmrepo.device import Device
 from lmrepo.errors import require
 from lmrepo.user_config import UserConfig, enabled
 
 
-def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserConfig | None = None) -> None:
+def check_deepspeed(ds: dict, pipeline: PipelineConfig, device: Device, user: UserConfig | None = None) -> None:
     """The final dict's rules, so a user's JSON is held to the same ones as lmrepo's groups. Each
     message names what will fix it: the JSON's key when the JSON set the value, lmrepo's otherwise."""
 
@@ -52,11 +52,11 @@ def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserCon
         CheckpointingConfig.check_zero_r(section.get("partition_activations"), section.get("cpu_checkpointing"),
                                          section.get("contiguous_memory_optimization"), section.get("number_checkpoints"),
                                          prefix=f"deepspeed_config={user.path}: activation_checkpointing.")
-    schedule = config.pipeline.schedule
-    if config.pipeline.engine == "deepspeed":
+    schedule = pipeline.schedule
+    if pipeline.engine == "deepspeed":
         require(stage <= 1, f"the DeepSpeed pipeline (pipeline={schedule}) supports ZeRO stage 0 or 1, not {stage}: "
                             f"{stage_fix or 'set zero=stage0 or stage1'}")
-    if config.pipeline.engine == "torch":
+    if pipeline.engine == "torch":
         where = f"pipeline={schedule} (torch.distributed.pipelining)"
         require(user is None, f"{where} is not a DeepSpeed engine: deepspeed_config does not apply to it; "
                               "use pipeline=1f1b, or leave deepspeed_config out")
@@ -82,14 +82,14 @@ def check_libaio() -> None:
             "offload=nvme needs libaio: install it (apt-get install libaio-dev) or use offload=cpu")
 
 
-def check_tensor_parallel(config: TrainConfig) -> None:
+def check_tensor_parallel(tp: TPConfig, model_cfg: ModelConfig) -> None:
     """tp=auto: DeepSpeed's AutoTP is asked up front, on a meta-device model, whether it can shard it."""
-    if config.tp.mode != TPMode.auto:
+    if tp.mode != TPMode.auto:
         return
     from lmrepo.estimate import meta_model
     from lmrepo.tp import autotp_refusal
 
-    model = meta_model(config.model)
+    model = meta_model(model_cfg)
     refusal = autotp_refusal(model)
     require(refusal is None, f"tp=auto: DeepSpeed's AutoTP refuses {type(model).__name__} (\"{refusal}\"): "
                              "use tp=none (ZeRO shards its states instead) or a model=llama-* preset")

@@ -20,8 +20,12 @@ NOISE = {
 }
 # Printed (not logged) by DeepSpeed each time it loads its CPU all-reduce op.
 NOISE_PRINTS = (r"^DeepSpeed \S+ built successfully$",)
-# Python warnings raised inside DeepSpeed about its own use of torch APIs: nothing for the user to change.
-NOISE_WARNINGS = (r"`torch\.distributed\.\w+` is deprecated",)
+# Python warnings raised inside DeepSpeed about its own use of torch APIs, and inside Optuna
+# about the arguments and distributions hydra-optuna-sweeper 1.3 gives it (hparams_search):
+# nothing for the user to change.
+OPTUNA_SWEEPER_DEPRECATIONS = (r"^(`(consider_prior|prior_weight|consider_magic_clip|consider_endpoints|"
+                               r"warn_independent_sampling)`|\w*UniformDistribution) has been deprecated")
+NOISE_WARNINGS = (r"`torch\.distributed\.\w+` is deprecated", OPTUNA_SWEEPER_DEPRECATIONS)
 
 
 class DropNoise(logging.Filter):

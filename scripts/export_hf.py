@@ -6,10 +6,9 @@
 Then: AutoModelForCausalLM.from_pretrained("exported/") (GPT-2) or AutoModelForMaskedLM (BERT).
 """
 import argparse
-import sys
 from pathlib import Path
 
-from lmrepo.errors import ConfigError
+from lmrepo.errors import ConfigError, exit_error
 from lmrepo.export import export
 
 
@@ -21,8 +20,7 @@ def main() -> None:
     try:
         out = export(args.source, args.out)
     except ConfigError as err:
-        print(f"export_hf: error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_error(str(err))
     print(f"export_hf: wrote {out}")
 
 

@@ -6,14 +6,13 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import DEEPSPEED, REPO, TINY, assert_ok, free_port, read_metrics, run_train
+from conftest import DEEPSPEED, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -62,30 +61,11 @@ def test_resume_on_other_rank_counts_through_the_universal_checkpoint(launch2, t
                 assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # other rank counts sum in another order
 
 
-def popen_two_ranks(overrides: list[str], run_dir: Path) -> subprocess.Popen:
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "train.py"),
-           *TINY, *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def wait_for(predicate, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.2)
-
-
-def logged_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
 def test_sigterm_saves_and_stops_then_auto_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     overrides = ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "schedule=constant"]
-    proc = popen_two_ranks(overrides, run_dir)
-    wait_for(lambda: logged_steps(run_dir) >= 3)
+    proc = popen_train(overrides, run_dir, ranks=2)
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
     # As Slurm's pre-emption and a terminal's Ctrl-C do: the signal reaches every process of the job.
     os.killpg(proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
@@ -103,8 +83,8 @@ def test_sigterm_saves_and_stops_then_auto_resume_continues(tmp_path):
 def test_kill_9_during_saves_keeps_latest_loadable(tmp_path):
     run_dir = tmp_path / "run"
     # A checkpoint every step: most of the run's time is spent saving, so the kill lands in one.
-    proc = popen_two_ranks(["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.save_every=1"], run_dir)
-    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 4)
+    proc = popen_train(["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.save_every=1"], run_dir, ranks=2)
+    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 4, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     latest = (run_dir / "checkpoints" / "latest").read_text()

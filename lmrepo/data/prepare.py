@@ -23,7 +23,7 @@ from filelock import FileLock
 from tokenizers import Tokenizer
 
 from lmrepo.data.corpus import load_documents, source_files
-from lmrepo.errors import ConfigError
+from lmrepo.errors import ConfigError, disk_error
 
 FORMAT_VERSION = 1
 
@@ -79,11 +79,18 @@ def prepare(data, tokenizer) -> Path:
     out = token_dir(data, tokenizer)
     if (out / "meta.json").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if not (out / "meta.json").exists():
-            build(data, tokenizer, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(out) + ".lock"):
+            if not (out / "meta.json").exists():
+                build(data, tokenizer, out)
+    except Exception as err:
+        if (reason := disk_error(err)) is None:
+            raise
+        raise ConfigError(f"data.cache_dir={data.cache_dir}: {reason}: point data.cache_dir at a writable "
+                          "directory with room for the token files") from None
     return out
+
 
 
 # Text per tokenizer call: enough that the call's fixed cost vanishes, little enough that a

@@ -37,6 +37,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleLoopedBFS)
 
+from lmrepo import safe_load
 from lmrepo.config import CheckpointingConfig, ModelConfig, OptimizerConfig, PipelineConfig
 from lmrepo.engines.base import pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
@@ -140,7 +141,8 @@ class TorchPipelineEngine:
         self.dp_rank, self.dp_size = self.grid.get_data_parallel_rank(), self.dp
         self.micro_batches = micro_batches
         self.loss, self.layer_specs = loss, layers
-        self.parts = partition(layers, self.stages * virtual, str(pipeline.partition))
+        # plain ints: DeepSpeed's partition gives numpy ints, which a weights-only load refuses
+        self.parts = [int(p) for p in partition(layers, self.stages * virtual, str(pipeline.partition))]
         if dist.get_rank() == 0:
             print_split(layers, self.parts, self.stages, pipeline.schedule, self.micro_batches)
 
@@ -312,7 +314,7 @@ class TorchPipelineEngine:
 
     def load(self, load_dir: Path, tag: str) -> dict:
         directory = Path(load_dir, str(tag))
-        states = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        states = safe_load.load(directory / "mp_rank_00_model_states.pt")
         if states.get("mp_world_size") != self.stages or states.get("torch_pipeline_parts") != self.parts:
             raise ConfigError(f"{directory} was saved by another pipeline split ({states.get('mp_world_size')} stages, "
                               f"layer boundaries {states.get('torch_pipeline_parts')}; this run: {self.stages} stages, "
@@ -320,11 +322,10 @@ class TorchPipelineEngine:
         for index, layer in self.layers.items():
             owner = tied_owner(self.layer_specs, index)
             target = layer.module if is_tied_copy(self.layer_specs[index]) else layer
-            target.load_state_dict(torch.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device))
+            target.load_state_dict(safe_load.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device))
         # The replicas' optimizer states are equal: replica 0's file of this stage serves any data-parallel size.
         saved_rank = self.stage_id * states["dp_world_size"]
-        optim = torch.load(directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device,
-                           weights_only=False)
+        optim = safe_load.load(directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device)
         self.optimizer.load_state_dict(optim["optimizer"])
         self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
         self.global_steps = states["global_steps"]

@@ -115,7 +115,6 @@ def bert_layers(net) -> list:
 # --- both ----------------------------------------------------------------------------------
 
 LAYERS = {"gpt2": gpt2_layers, "bert": bert_layers}
-BLOCK_CLASS = {"gpt2": GPT2BlockPipe, "bert": BertLayerPipe}
 
 
 class LMLoss:

@@ -1,0 +1,90 @@
+"""No hang: when a rank dies or stalls, every rank ends within a bounded time, and status.json
+says which rank stopped at which step.
+
+Two layers. Every collective has a timeout (`run.hang_timeout_s`, given to the process group and,
+through torch's default, to every group DeepSpeed creates later), so a rank waiting for a dead or
+stopped peer raises instead of waiting forever. Each rank also writes a heartbeat (its step, the
+time) under run.dir/.heartbeat/ at every step: the rank that reports the failure names the peer
+that stopped beating. A watchdog thread is the backstop for what no timeout covers (DeepSpeed's
+CPU shared-memory all-reduce spins without one): a rank whose own loop makes no progress for
+twice the timeout records the hang and exits.
+"""
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+HEARTBEATS = ".heartbeat"
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, rank: int, world: int, timeout_s: float, on_hang):
+        self.directory, self.rank, self.world, self.timeout_s = run_dir / HEARTBEATS, rank, world, timeout_s
+        self.on_hang = on_hang  # called with the message, from the watchdog thread, before the process exits
+        self.step, self.last = 0, time.monotonic()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._stop = threading.Event()
+        if timeout_s > 0:
+            threading.Thread(target=self._watch, name="lmrepo-watchdog", daemon=True).start()
+
+    def beat(self, step: int) -> None:
+        """Progress: this rank is at `step` now."""
+        self.step, self.last = step, time.monotonic()
+        path = self.directory / f"rank{self.rank:05d}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "step": step, "time": time.time(), "pid": os.getpid(),
+                                   "host": socket.gethostname()}))
+        os.replace(tmp, path)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(10.0, self.timeout_s / 4)):
+            if time.monotonic() - self.last > 2 * self.timeout_s:
+                self.on_hang(f"rank {self.rank} made no progress for {2 * self.timeout_s:.0f} s after step "
+                             f"{self.step} ({self.laggards() or 'no peer behind it'}; run.hang_timeout_s="
+                             f"{self.timeout_s:g})")
+                os._exit(1)
+
+    def laggards(self) -> str:
+        """The ranks that stopped: on this machine, a peer process that is gone or stopped
+        (SIGSTOP, a debugger); elsewhere, a heartbeat behind the others'."""
+        beats = {}
+        for rank in range(self.world):
+            try:
+                beats[rank] = json.loads((self.directory / f"rank{rank:05d}.json").read_text())
+            except (OSError, ValueError):
+                beats[rank] = None
+        newest = max((b["step"] for b in beats.values() if b), default=0)
+        found, now = [], time.time()
+        for rank, beat in beats.items():
+            if rank == self.rank:
+                continue
+            if beat is None:
+                found.append(f"rank {rank} never reported")
+            elif beat["host"] == socket.gethostname() and (state := process_state(beat["pid"])) in ("gone", "stopped"):
+                found.append(f"rank {rank} (pid {beat['pid']}) is {state}, at step {beat['step']}")
+            elif beat["step"] < newest:
+                found.append(f"rank {rank} is behind, at step {beat['step']} {now - beat['time']:.0f} s ago")
+        return ", ".join(found)
+
+    def describe(self, err: BaseException) -> str | None:
+        """A collective that timed out or lost a peer, as one line naming the rank behind it."""
+        text = str(err)
+        if not any(sign in text for sign in ("Timed out", "Connection reset", "Connection closed", "timeout")):
+            return None
+        cause = "a collective timed out" if "imed out" in text or "timeout" in text else "a peer rank died"
+        return (f"{cause} after step {self.step}: {self.laggards() or 'every rank reached the same step'} "
+                f"(run.hang_timeout_s={self.timeout_s:g})")
+
+
+def process_state(pid: int) -> str:
+    """gone | stopped | running, from /proc (Linux)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")

@@ -1,0 +1,275 @@
+"""Never lose work, never hang, never run a stranger's code (issue 17), with real processes:
+two runs into one run.dir, checkpoints damaged on disk, a pickle with a payload, a NaN at a save
+step, a rank stopped with SIGSTOP, the Slurm pre-emption signal, full disks and unwritable
+directories. Each fault is one `lmrepo: error:` line (or the run's own failure status), nothing
+written or deleted beyond what lmrepo created."""
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (PYTHON, REPO, TINY, assert_ok, free_port, logged_steps, popen_train, read_metrics, run_train,
+                      wait_for)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def one_error_line(proc) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    return errors[0]
+
+
+# --- one run per directory ----------------------------------------------------------------------
+
+def test_one_run_owns_its_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    first = popen_train(["trainer.max_steps=500", "schedule=constant"], run_dir)
+    wait_for(lambda: logged_steps(run_dir) >= 2, first)
+    second = run_train([*TINY, "trainer.max_steps=500"], run_dir)
+    assert second.returncode == 2 and "is in use by another run" in one_error_line(second)
+    os.killpg(first.pid, signal.SIGTERM)  # the first saves and stops
+    first.communicate(timeout=300)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "stopped", status
+    steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+    assert steps == sorted(set(steps)), "the second run wrote nothing into the first's metrics"
+
+    fresh = run_train(TINY, run_dir)  # a fresh run into a used directory
+    assert fresh.returncode == 2 and "already holds a run" in one_error_line(fresh)
+    assert "run.resume=auto" in one_error_line(fresh)
+    resumed = run_train([*TINY, f"trainer.max_steps={status['final']['step'] + 1}", "schedule=constant",
+                         "run.resume=auto"], run_dir)
+    assert_ok(resumed)
+
+
+def test_resume_auto_with_nothing_to_resume_starts_fresh(tmp_path):
+    run_dir = tmp_path / "run"
+    assert_ok(run_train([*TINY, "trainer.max_steps=2"], run_dir))  # no checkpoint
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 1.0, "lr"')  # a torn last line, as a kill mid-write leaves
+    assert_ok(run_train([*TINY, "trainer.max_steps=2", "run.resume=auto"], run_dir))
+    assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 2]
+
+
+# --- checkpoints damaged on disk ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A finished 1-rank run with a checkpoint at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    assert_ok(run_train([*TINY, "trainer.max_steps=4", "trainer.save_every=2"], run_dir))
+    return run_dir
+
+
+def damaged_copy(saved: Path, tmp_path: Path, damage) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved, run_dir)
+    damage(run_dir / "checkpoints" / "step_00000004")
+    return run_dir
+
+
+def zero_the_middle(tag_dir: Path) -> None:
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(4096))
+    assert path.stat().st_size == size
+
+
+def truncate(tag_dir: Path) -> None:
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    os.truncate(path, path.stat().st_size - 100)
+
+
+def remove_rng(tag_dir: Path) -> None:
+    (tag_dir / "rng_rank00000.pt").unlink()
+
+
+@pytest.mark.parametrize("damage, message", [(zero_the_middle, "differs from what was saved (checksum)"),
+                                             (truncate, "were saved: it is truncated or overwritten"),
+                                             (remove_rng, "rng_rank00000.pt is missing")])
+def test_damaged_checkpoint_is_one_line(saved, tmp_path, damage, message):
+    run_dir = damaged_copy(saved, tmp_path, damage)
+    before = sorted(p.name for p in run_dir.iterdir())
+    proc = run_train([*TINY, "trainer.max_steps=6", "trainer.save_every=2", "run.resume=auto"], run_dir)
+    assert proc.returncode == 2 and message in one_error_line(proc)
+    assert sorted(p.name for p in run_dir.iterdir()) == before, "nothing written"
+
+
+class Payload:
+    """What a malicious checkpoint would hold: unpickling it calls os.system."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_with_a_payload_never_runs(saved, tmp_path):
+    marker = tmp_path / "payload-ran"
+
+    def poison(tag_dir: Path) -> None:
+        states = tag_dir / "mp_rank_00_model_states.pt"
+        real = torch.load(states, weights_only=True)
+        torch.save({**real, "extra": Payload(marker)}, states, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+        # The attacker also rewrites the manifest: the sizes and checksums match the poisoned file.
+        from lmrepo.checkpoint import MANIFEST, file_record
+
+        manifest = json.loads((tag_dir / MANIFEST).read_text())
+        manifest["files"][states.name] = list(file_record(states))
+        (tag_dir / MANIFEST).write_text(json.dumps(manifest))
+
+    run_dir = damaged_copy(saved, tmp_path, poison)
+    resume = run_train([*TINY, "trainer.max_steps=6", "run.resume=auto"], run_dir)
+    assert resume.returncode == 2 and "holds more than weights" in one_error_line(resume)
+    export = subprocess.run([PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
+                            capture_output=True, text=True)
+    assert export.returncode == 2 and "holds more than weights" in one_error_line(export)
+    assert not marker.exists(), "the payload ran"
+
+
+# --- a NaN at a save step ------------------------------------------------------------------------
+
+def test_a_non_finite_loss_never_becomes_latest(tmp_path):
+    """An absurd learning rate: the weights blow up after the first steps. Every step saves, and
+    keep_last=1 would prune the good checkpoint for a bad one if a save were trusted at once."""
+    run_dir = tmp_path / "run"
+    proc = run_train([*TINY, "trainer.max_steps=20", "trainer.save_every=1", "trainer.keep_last=1",
+                      "optimizer.lr=1e4", "schedule=constant", "schedule.warmup_steps=0", "trainer.grad_clip=0"],
+                     run_dir)
+    assert proc.returncode == 1 and "the loss became" in one_error_line(proc)
+    bad_step = int(one_error_line(proc).split(" at step ")[1].split(":")[0])
+    tags = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    latest = run_dir / "checkpoints" / "latest"
+    # The save that produced the non-finite loss is gone; latest (if any) names a checkpoint whose
+    # next step's loss was finite, and it is the only one left.
+    assert f"step_{bad_step - 1:08d}" not in tags
+    if latest.exists():
+        assert tags == [latest.read_text().strip()] and int(tags[0].split("_")[1]) < bad_step - 1
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
+
+
+# --- no hang -------------------------------------------------------------------------------------
+
+@pytest.mark.distributed
+def test_a_stopped_rank_ends_every_rank_with_its_name(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = popen_train(["trainer.max_steps=100000", "run.hang_timeout_s=10"], run_dir, ranks=2)
+    beat = run_dir / ".heartbeat" / "rank00001.json"
+    wait_for(lambda: beat.exists() and json.loads(beat.read_text())["step"] >= 3, proc)
+    stopped_at = time.monotonic()
+    os.kill(json.loads(beat.read_text())["pid"], signal.SIGSTOP)
+    proc.communicate(timeout=600)  # a guard against a hang, not a speed limit
+    took = time.monotonic() - stopped_at
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "rank 1" in status["error"] and "stopped" in status["error"], status
+    print(f"every rank ended {took:.1f} s after rank 1 was stopped (run.hang_timeout_s=10)")
+
+
+@pytest.mark.distributed
+def test_the_preemption_signal_saves_on_every_rank_then_resumes(tmp_path):
+    """submitit's time-limit warning (SIGUSR2) reaches every task, as Slurm's --signal does."""
+    run_dir = tmp_path / "run"
+    proc = popen_train(["trainer.max_steps=100000", "schedule=constant", "zero=stage2"], run_dir, ranks=2)
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
+    os.killpg(proc.pid, signal.SIGUSR2)
+    output, _ = proc.communicate(timeout=300)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "stopped" and status["signal"] == "SIGUSR2", output[-2000:]
+    step = status["final"]["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+    resumed = run_train([*TINY, f"trainer.max_steps={step + 1}", "schedule=constant", "zero=stage2",
+                         "run.resume=auto"], run_dir, ranks=2)
+    assert_ok(resumed)
+    assert [m["step"] for m in read_metrics(run_dir) if "loss" in m][-1] == step + 1
+
+
+# --- disks and directories -----------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs: a disk that fills up (mounting needs root, which CI has)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_while_tokenizing_is_one_line(small_disk, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 100_000)  # ~4 MB of text, ~2 M tokens
+    proc = run_train([*TINY, "data=text", f"data.paths=[{corpus}]", f"data.cache_dir={small_disk}"], tmp_path / "run")
+    assert proc.returncode == 2 and "no space left on device" in one_error_line(proc)
+    assert [p.name for p in small_disk.iterdir() if not p.name.endswith(".lock")] == [], "no partial token files"
+
+
+def test_a_full_disk_at_save_keeps_the_last_checkpoint(small_disk, tmp_path):
+    run_dir = small_disk / "run"
+    proc = run_train([*TINY, "trainer.max_steps=4", "trainer.save_every=2"], run_dir)
+    assert proc.returncode == 1 and "no space left on device" in one_error_line(proc)
+    assert "saving checkpoint" in one_error_line(proc)
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == [], "no half checkpoint"
+
+
+@pytest.mark.parametrize("where", ["cache", "run"])
+def test_a_file_where_a_directory_belongs_is_one_line(tmp_path, where):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    overrides = [f"data.cache_dir={blocker / 'cache'}"] if where == "cache" else []
+    run_dir = blocker / "run" if where == "run" else tmp_path / "run"
+    proc = run_train([*TINY, "data=text", f"data.paths=[{REPO / 'README.md'}]", *overrides], run_dir)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and "not a directory" in line and str(blocker) in line
+
+
+def test_a_refused_job_keeps_the_users_empty_directories(tmp_path):
+    mine = tmp_path / "my-empty-dir"
+    mine.mkdir()
+    proc = run_train([*TINY, "trainer.seed=-1"], mine / "outputs" / "run")
+    assert proc.returncode == 2 and mine.is_dir() and list(mine.iterdir()) == []
+
+
+def test_secrets_in_a_user_json_are_not_written(tmp_path):
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"comet": {"enabled": False, "api_key": "s3cr3t-key", "project": "p"}}))
+    run_dir = tmp_path / "run"
+    proc = run_train([*TINY, "trainer.max_steps=2", f"deepspeed_config={user}", "logger=wandb"], run_dir,
+                     env={**os.environ, "WANDB_MODE": "offline"})
+    assert_ok(proc)
+    written = json.loads((run_dir / "ds_config.json").read_text())
+    assert written["comet"]["api_key"] == "***"
+    everything = b"".join(p.read_bytes() for p in run_dir.rglob("*") if p.is_file())
+    assert b"s3cr3t-key" not in everything and "s3cr3t-key" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.distributed
+def test_ranks_that_name_another_run_dir_use_rank_0s(tmp_path):
+    """Two nodes whose launchers started a second apart name different run directories: every
+    rank writes into rank 0's, and the other's empty directory is gone."""
+    port, dirs = str(free_port()), [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
+    procs = []
+    for rank, run_dir in enumerate(dirs):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port}
+        procs.append(subprocess.Popen([PYTHON, str(REPO / "train.py"), *TINY, "zero=stage2", "trainer.max_steps=2",
+                                       "trainer.save_every=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    shards = sorted(p.name for p in (dirs[0] / "checkpoints" / "step_00000002").glob("*optim_states.pt"))
+    assert len(shards) == 2, "both ranks' optimizer shards are in rank 0's checkpoint"
+    assert not dirs[1].exists()
