@@ -3,6 +3,7 @@ markdown table, plus loss, throughput and memory plots. Used by scripts/compare.
 import json
 import re
 import statistics
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,7 +164,14 @@ def summarize(job: Job) -> dict:
             "eval loss": evals[-1]["eval_loss"] if evals else None,
             "tokens/s": median("tokens_per_s"), "TFLOP/s": median("tflops"), "MFU": median("mfu"),
             "peak mem GB": max(mem) if mem else None, "steps": max(steps) if steps else None,
-            "wall s": wall, "status": job.status.get("status", "unknown"), "error": job.status.get("error")}
+            "wall s": wall, "status": job.status.get("status", "unknown"), "error": job.status.get("error"),
+            **downstream(job.metrics)}
+
+
+def downstream(metrics: list[dict]) -> dict:
+    """The latest value of each downstream task metric (`eval/<task>/<metric>`: eval.tasks during
+    training, scripts/evaluate.py after it)."""
+    return {k: v for m in metrics for k, v in m.items() if k.startswith("eval/") and v is not None}
 
 
 # ---- the table ----
@@ -173,17 +181,25 @@ FORMATS = {"final loss": "{:.4f}", "eval loss": "{:.4f}", "tokens/s": "{:.0f}", 
 
 
 def _cell(row: dict, column: str) -> str:
-    value = row[column]
+    value = row.get(column)  # a downstream column some jobs lack
     if column == "status" and row["error"]:
         error = " ".join(row["error"].split())  # one line in a table cell
         value = f"{value}: {error[:100]}{'…' if len(error) > 100 else ''}"
-    text = "-" if value is None else FORMATS.get(column, "{}").format(value)
+    text = "-" if value is None else FORMATS.get(column, "{:.4g}" if column.startswith("eval/") else "{}").format(value)
     return text.replace("|", "\\|")
 
 
+def table_columns(rows: list[dict]) -> list[str]:
+    """COLUMNS, with a column per downstream metric any job has after "eval loss"."""
+    tasks = sorted({k for row in rows for k in row if k.startswith("eval/")})
+    at = COLUMNS.index("eval loss") + 1
+    return COLUMNS[:at] + tasks + COLUMNS[at:]
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_cell(row, c) for c in COLUMNS) + " |" for row in rows]
+    columns = table_columns(rows)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(row, c) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -245,3 +261,83 @@ def report(jobs: list[Job], out: Path) -> str:
     plot_bars(rows, out, "tokens/s", PLOTS[2], "tokens/s (median)")
     plot_bars(rows, out, "peak mem GB", PLOTS[3], "peak memory (GB)")
     return table
+
+
+# ---- a search's trials (Optuna) ----
+
+STUDY_FILE = "optuna.db"  # where conf/hparams_search/ recipes keep their study: the search's sweep dir
+
+
+def load_studies(dirs: list[Path]) -> list:
+    """Every Optuna study kept in DIR/optuna.db, for each DIR given that has one."""
+    urls = [f"sqlite:///{(d / STUDY_FILE).resolve()}" for d in dirs if (d / STUDY_FILE).is_file()]
+    if not urls:
+        return []
+    import optuna
+
+    from lmrepo.quiet import OPTUNA_SWEEPER_DEPRECATIONS
+
+    # The sweeper stored Optuna's deprecated distributions: reading them back warns, for nothing to change.
+    warnings.filterwarnings("ignore", message=OPTUNA_SWEEPER_DEPRECATIONS, category=FutureWarning)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return [optuna.load_study(study_name=name, storage=url) for url in urls for name in optuna.get_all_study_names(url)]
+
+
+def _best_trial(study):
+    try:
+        return study.best_trial
+    except ValueError:  # no trial completed
+        return None
+
+
+def _param(value) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def trials_table(study, plot: str) -> str:
+    """One row per trial: its number, state, objective (the value the launcher returned) and
+    sampled params; then the best trial and the plot."""
+    trials = study.get_trials(deepcopy=False)
+    params = sorted({name for trial in trials for name in trial.params})
+    columns = ["trial", "state", "objective", *params]
+    lines = [f"\n### Study {study.study_name} ({study.direction.name.lower()}, {len(trials)} trials)\n",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for trial in trials:
+        cells = [str(trial.number), trial.state.name.lower(), _param(trial.value), *(_param(trial.params.get(p)) for p in params)]
+        lines.append("| " + " | ".join(cells) + " |")
+    best = _best_trial(study)
+    lines.append("\nbest: " + (f"trial {best.number}, objective {best.value:.4f}: "
+                                + " ".join(f"{k}={_param(v)}" for k, v in best.params.items()) if best else "none (no trial completed)"))
+    return "\n".join(lines) + f"\n\n![trials]({plot})\n"
+
+
+def plot_trials(study, out: Path, filename: str) -> None:
+    """The objective of each completed trial, the best so far, and the failed trials."""
+    import itertools
+
+    import matplotlib.pyplot as plt
+
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.value is not None]
+    pick = max if study.direction.name == "MAXIMIZE" else min
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot([t.number for t in done], [t.value for t in done], "o", label="trial")
+    ax.step([t.number for t in done], list(itertools.accumulate([t.value for t in done], pick)), where="post",
+            label="best so far")
+    for i, trial in enumerate(t for t in trials if t.state.name == "FAIL"):
+        ax.axvline(trial.number, color="red", alpha=0.3, label=None if i else "failed")
+    _save(fig, out / filename, f"study {study.study_name}: objective per trial", "trial", "objective")
+    plt.close(fig)
+
+
+def trials_report(dirs: list[Path], out: Path) -> list[str]:
+    """For each study in the DIRs: its table appended to out/compare.md, and trials_<study>.png."""
+    blocks = []
+    for study in load_studies(dirs):
+        plot = f"trials_{study.study_name}.png"
+        plot_trials(study, out, plot)
+        blocks.append(trials_table(study, plot))
+    if blocks:
+        with open(out / "compare.md", "a") as f:
+            f.write("".join(blocks))
+    return blocks

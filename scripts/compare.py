@@ -2,6 +2,7 @@
 
     python scripts/compare.py multirun/2026-11-21/23-07-59          # a sweep: one row per job
     python scripts/compare.py outputs/a outputs/b --out reports/ab  # single runs side by side
+    python scripts/compare.py multirun/lr_optuna                    # a search: the runs, then the trials
     python scripts/compare.py --wandb ENTITY/PROJECT/GROUP --out reports/g   # from W&B
 """
 import argparse
@@ -9,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from lmrepo.compare import CompareError, load_dirs, load_wandb, report
+from lmrepo.compare import CompareError, load_dirs, load_wandb, report, trials_report
 
 
 def main() -> None:
@@ -33,7 +34,9 @@ def main() -> None:
         raise SystemExit(2)
     out = args.out or args.dirs[0]
     print(report(jobs, out), end="")
-    print(f"compare: wrote {out / 'compare.md'} and 4 plots")
+    studies = trials_report(args.dirs, out)  # a search's sweep dir (hparams_search=...): its trials too
+    print("".join(studies), end="")
+    print(f"compare: wrote {out / 'compare.md'} and {4 + len(studies)} plots")
 
 
 if __name__ == "__main__":

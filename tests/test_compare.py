@@ -22,7 +22,7 @@ def sweep(tmp_path_factory):
     (as the sweep launcher does) its dir gets a status.json with the error line."""
     sweep = tmp_path_factory.mktemp("compare") / "sweep"
     assert_ok(run_train([*TINY, "zero=stage0"], sweep / "0"))
-    assert_ok(run_train([*TINY, "zero=stage1", "precision=fp32"], sweep / "1"))
+    assert_ok(run_train([*TINY, "zero=stage1", "precision=bf16"], sweep / "1"))
     proc = run_train([*TINY, "zero=stage2", "offload=cpu", "offload.params=true"], sweep / "2")
     assert proc.returncode == 2
     error = next(line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:"))
@@ -44,7 +44,7 @@ def test_compare_writes_table_and_plots(sweep, tmp_path):
     markdown = (out / "compare.md").read_text()
     assert markdown.splitlines()[0] in proc.stdout  # the table is printed too
     rows = table_rows(markdown)
-    assert [row[0] for row in rows] == ["zero=stage0", "zero=stage1 precision=fp32", "sweep/2"]
+    assert [row[0] for row in rows] == ["zero=stage0", "zero=stage1 precision=bf16", "sweep/2"]
 
     for row, job in zip(rows, ["0", "1"]):
         metrics = read_metrics(sweep / job)

@@ -1,17 +1,58 @@
 """Sweeps and launchers, real runs on the CPU: a 2x2 multirun with 2 ranks per job and one
-job that fails without stopping the others, W&B offline files per job, torchrun and python
-launches, the Slurm environment mapping."""
+job that fails without stopping the others, W&B offline files per job (with the objective),
+batches that go on past a failed one in directories named with `=` and `,`, a stop signal on
+the sweep, timeouts (SIGTERM, then SIGKILL), torchrun and python launches, the Slurm
+environment mapping."""
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, assert_ok, compose_config, env_without_wandb_key, read_metrics
+from conftest import PYTHON, REPO, TINY, assert_ok, compose_config, env_without_wandb_key, read_metrics
 
-pytestmark = pytest.mark.distributed
+
+def summary_rows(stdout: str) -> dict[str, dict]:
+    """The launcher's closing table, by job number: {"0": {"overrides": ..., "status": ...}}."""
+    lines = stdout.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("job  "))
+    header = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("#"):
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0][1:]] = dict(zip(header, cells + [""] * (len(header) - len(cells))))
+    return rows
+
+
+def last_value(run_dir: Path, key: str) -> float:
+    return [m[key] for m in read_metrics(run_dir) if m.get(key) is not None][-1]
+
+
+def summary_item(record: bytes, key: str, value) -> bool:
+    """Whether W&B's offline run file holds `key: value` in a run summary: a SummaryItem record,
+    its key (protobuf field 1) then its value as JSON (field 16)."""
+    key_bytes, value_bytes = key.encode(), json.dumps(value).encode()
+    return (b"\n" + bytes([len(key_bytes)]) + key_bytes + b"\x82\x01" + bytes([len(value_bytes)]) + value_bytes) in record
+
+
+def wait_for(predicate, what: str, limit: float = 600) -> None:
+    """Polls until `predicate()`; the limit only keeps a broken run from hanging the suite."""
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.2)
+
+
+def logged(run_dir: Path, key: str = "loss") -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum(f'"{key}"' in line for line in path.read_text().splitlines()) if path.exists() else 0
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +68,7 @@ def sweep(tmp_path_factory):
     return root / "sweep", proc
 
 
+@pytest.mark.distributed
 def test_sweep_runs_every_job_in_its_own_directory(sweep):
     sweep_dir, proc = sweep
     assert proc.returncode == 1, "a failed job makes the sweep exit non-zero"
@@ -39,10 +81,14 @@ def test_sweep_runs_every_job_in_its_own_directory(sweep):
         assert len([m for m in read_metrics(sweep_dir / job) if "loss" in m]) == 6
         assert json.loads((sweep_dir / job / "ds_config.json").read_text())["train_batch_size"] == 8  # 2 ranks x 4
     assert (sweep_dir / "multirun.yaml").exists()
-    summary = proc.stdout
-    assert "zero=stage0 offload=cpu" in summary and "failed" in summary and summary.count("completed") == 3
+    rows = summary_rows(proc.stdout)
+    assert rows["1"]["overrides"] == "zero=stage0 offload=cpu" and rows["1"]["status"] == "failed"
+    assert [rows[job]["status"] for job in ("0", "2", "3")] == ["completed"] * 3
+    # each job's objective (launcher.objective, eval_loss by default) as the sweeper got it
+    assert rows["2"]["objective"] == f"{last_value(sweep_dir / '2', 'eval_loss'):.4g}"
 
 
+@pytest.mark.distributed
 def test_sweep_jobs_are_w_and_b_runs_named_and_grouped(sweep):
     sweep_dir, _ = sweep
     for job, name in (("0", "zero=stage0 offload=none"), ("3", "zero=stage3 offload=cpu")):
@@ -52,8 +98,125 @@ def test_sweep_jobs_are_w_and_b_runs_named_and_grouped(sweep):
         assert name.encode() in record
         assert f"{sweep_dir.parent.name}_{sweep_dir.name}".encode() in record  # the group
         assert b"zero3" in record or job == "0"  # technique tags
+        assert summary_item(record, "objective", last_value(sweep_dir / job, "eval_loss"))
 
 
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """offload=cpu,none in batches of one job, each in a directory named by its overrides
+    (`offload=cpu,trainer.seed=7`: `=` and `,`, which Hydra's override grammar treats specially):
+    the first batch's job is refused (CPU offload needs ZeRO >= 1), the second must still run."""
+    root = tmp_path_factory.mktemp("batched")
+    kept_out = ",".join(o.split("=")[0] for o in TINY + ["launcher.objective=loss"])
+    proc = subprocess.run([PYTHON, str(REPO / "train.py"), "-m", "offload=cpu,none", "trainer.seed=7", *TINY,
+                           "launcher.objective=loss", "hydra.sweeper.max_batch_size=1", f"hydra.sweep.dir={root / 'sweep'}",
+                           "hydra.sweep.subdir=${hydra.job.override_dirname}",
+                           f"hydra.job.config.override_dirname.exclude_keys=[{kept_out}]"],
+                          cwd=root, capture_output=True, text=True, timeout=900)
+    return root / "sweep", proc
+
+
+def test_a_failed_batch_does_not_stop_the_later_ones(batched):
+    sweep_dir, proc = batched
+    assert proc.returncode == 1, "a failed job makes the sweep exit non-zero, at its end"
+    refused = json.loads((sweep_dir / "offload=cpu,trainer.seed=7" / "status.json").read_text())
+    assert refused["status"] == "failed" and "zero=stage1" in refused["error"]
+    assert "offload=cpu" in refused["overrides"]  # for scripts/compare.py: the job never wrote .hydra/
+    rows = summary_rows(proc.stdout)
+    assert (rows["0"]["status"], rows["1"]["status"]) == ("failed", "completed")
+    assert f"best: #1 offload=none (loss {last_value(sweep_dir / 'offload=none,trainer.seed=7', 'loss'):.6g}, min)" in proc.stdout
+
+
+def test_job_directories_named_with_equals_and_commas(batched):
+    sweep_dir, proc = batched
+    run_dir = sweep_dir / "offload=none,trainer.seed=7"
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed", proc.stdout[-3000:]
+    assert len([m for m in read_metrics(run_dir) if "loss" in m]) == 6
+    # the objective the sweeper got: launcher.objective=loss, the last logged loss
+    assert summary_rows(proc.stdout)["1"]["objective"] == f"{last_value(run_dir, 'loss'):.4g}"
+
+
+@pytest.mark.distributed
+def test_sigterm_on_the_sweep_stops_its_jobs_with_a_checkpoint(tmp_path):
+    """As Ctrl-C does: the running job's ranks save and stop, the next job never starts, the
+    sweep exits 128 + SIGTERM."""
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen([PYTHON, str(REPO / "train.py"), "-m", "trainer.seed=1,2", "launcher.ranks=2", *TINY,
+                             "trainer.max_steps=100000", f"hydra.sweep.dir={sweep_dir}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: logged(sweep_dir / "0") >= 2, "job 0 training")
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    status = json.loads((sweep_dir / "0" / "status.json").read_text())
+    assert status["status"] == "stopped" and status["signal"] == "SIGTERM"
+    assert (sweep_dir / "0" / "checkpoints" / "latest").read_text() == f"step_{status['final']['step']:08d}"
+    rows = summary_rows(output)
+    assert (rows["0"]["status"], rows["1"]["status"]) == ("stopped", "not started")
+    assert not (sweep_dir / "1").exists()
+
+
+def test_timeout_sends_sigterm_so_the_job_saves(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    # 30 s: past a job's start-up (4 s here with a warm token cache, 16 s tokenizing), when train.py handles SIGTERM
+    proc = subprocess.run([PYTHON, str(REPO / "train.py"), "-m", "trainer.seed=1", *TINY, "trainer.max_steps=10000000",
+                           "trainer.log_every=100", "hydra.launcher.timeout=30", f"hydra.sweep.dir={sweep_dir}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    status = json.loads((sweep_dir / "0" / "status.json").read_text())
+    assert status["status"] == "stopped" and status["signal"] == "SIGTERM"
+    assert (sweep_dir / "0" / "checkpoints" / "latest").read_text() == f"step_{status['final']['step']:08d}"
+    assert status["error"].startswith("timed out after 30 s (hydra.launcher.timeout): stopped at step")
+
+
+# A Hydra app that ignores SIGTERM (the first thing it does, before a timeout can come) when x=1.
+STUBBORN_APP = """import signal, sys
+if "+x=1" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+import time, hydra
+
+@hydra.main(version_base="1.3")
+def main(cfg):
+    print(f"x={cfg.x}", flush=True)
+    if cfg.x == 1:
+        time.sleep(600)
+
+main()
+"""
+
+
+def test_a_job_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    """Any Hydra app works with the launcher (and lmrepo's sweeper): x=1 ignores the timeout's
+    SIGTERM and is killed kill_grace_s later; x=2 exits 0 without a status.json, which counts as
+    completed."""
+    (tmp_path / "app.py").write_text(STUBBORN_APP)
+    proc = subprocess.run([PYTHON, "app.py", "-m", "hydra/launcher=lmrepo", "hydra/sweeper=lmrepo", "+x=1,2",
+                           "hydra.launcher.timeout=2",
+                           "hydra.launcher.kill_grace_s=1", "hydra.sweep.dir=sweep"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    status = json.loads((tmp_path / "sweep" / "0" / "status.json").read_text())
+    assert status == {"status": "failed", "overrides": ["+x=1"],
+                      "error": "timed out after 2 s (hydra.launcher.timeout): killed (SIGKILL) after SIGTERM"}
+    assert (tmp_path / "sweep" / "1" / "job.log").read_text().strip() == "x=2"
+    rows = summary_rows(proc.stdout)
+    assert (rows["0"]["status"], rows["1"]["status"]) == ("failed", "completed")
+
+
+def test_a_job_needing_more_gpus_than_visible_is_refused_before_it_starts(tmp_path):
+    """With max_parallel > 1 each job gets GPUs of its own: 4 ranks on a 2-GPU machine could
+    never start, so it is refused with one line instead of waiting forever."""
+    from hydra_plugins.lmrepo_launcher.lmrepo_launcher import Job, LmrepoLauncher
+
+    launcher = LmrepoLauncher(max_parallel=2)
+    jobs = [Job(0, ["launcher.ranks=4"], tmp_path / "0", 4, "launcher.ranks=4"), Job(1, [], tmp_path / "1", 2, "default")]
+    launcher._refuse_impossible(jobs, gpus=2)
+    assert jobs[0].error == ("launcher.ranks=4 needs 4 GPUs and 2 are visible "
+                             "(hydra.launcher.max_parallel=2 gives each job GPUs of its own)")
+    assert jobs[1].error is None
+
+
+@pytest.mark.distributed
 def test_torchrun_launch(tmp_path):
     run_dir = tmp_path / "run"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
