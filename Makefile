@@ -10,4 +10,4 @@ train: setup
 	$(PY) train.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q --durations=15 tests $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)

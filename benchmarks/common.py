@@ -215,7 +215,7 @@ def fit_and_bare(spec: dict) -> dict:
             self.sinks.finish()
 
     sinks = WithBareStep(build_sinks(config.logger, run_dir, spec["config"], ds))
-    fit(engine, data, config.trainer, throughput_of(config, ds, device), sinks, TrainState(), lambda state: None, None,
+    fit(engine, data, config.trainer, throughput_of(config, ds, device), sinks, TrainState(), None, None,
         True)
     sinks.finish()
     elapsed = [0.0] + [r["elapsed_s"] for r in records]

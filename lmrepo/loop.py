@@ -1,5 +1,7 @@
 """The training loop: steps, evaluation, checkpoint cadence, metrics. Techniques live in the
 DeepSpeed config, not here: the loop is the same for every ZeRO stage, precision and offload."""
+import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -38,19 +40,33 @@ class TrainState:
     consumed: int = 0   # samples consumed, all ranks together (the data order's position)
 
 
+def preemption_signal() -> signal.Signals:
+    """The signal Slurm sends before a job's time limit under submitit (`--signal=USR2@<delay>`;
+    SUBMITIT_PREEMPT_SIGNAL changes it)."""
+    return signal.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper().removeprefix("SIG")]
+
+
 class StopRequest:
-    """SIGTERM (a scheduler's pre-emption) or SIGINT (Ctrl-C) asks for a checkpoint at the next
-    step boundary; a second SIGINT interrupts at once."""
+    """SIGTERM (a scheduler's pre-emption), SIGINT (Ctrl-C) or submitit's time-limit signal
+    (SIGUSR2) asks for a checkpoint at the next step boundary on every rank; a second SIGINT
+    interrupts at once. A handler that was there before (submitit's, which requeues the job) is
+    called once the checkpoint is saved (`hand_back`)."""
 
     def __init__(self):
-        self.signal_name = None
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        self.signal_name, self.signum = None, None
+        self.previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT, preemption_signal()):
+            self.previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name, self.signum = signal.Signals(signum).name, signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def hand_back(self) -> None:
+        previous = self.previous.get(self.signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(self.signum, None)
 
 
 def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -65,60 +81,85 @@ def evaluate(engine: Engine, data) -> float:
     return (_sum_over_ranks(mean.cpu().reshape(1)) / dist.get_world_size()).item()
 
 
-def fit(engine: Engine, data, trainer: TrainerConfig, throughput: Throughput, sinks, state: TrainState, save,
-        stop: StopRequest | None, is_rank0: bool, min_loss_scale: float | None = None) -> tuple[dict, str | None]:
-    """Trains until trainer.max_steps or a stop request. `save(state)` runs on every rank at the
-    checkpoint cadence and before stopping. Returns (last record, the stop signal's name or None)."""
+def fit(engine: Engine, data, trainer: TrainerConfig, throughput: Throughput, sinks, state: TrainState, checkpoints,
+        stop: StopRequest | None, is_rank0: bool, beat=None, min_loss_scale: float | None = None,
+        downstream=None) -> tuple[dict, str | None]:
+    """Trains until trainer.max_steps or a stop request. `checkpoints` (a checkpoint.Checkpointer,
+    or None) saves on every rank at the checkpoint cadence and before stopping, and learns from
+    each step's loss whether the last checkpoint's weights are sound; `beat(step)` (the watchdog's
+    heartbeat) runs at every step.
+    `downstream` (lmrepo.evaluation.Downstream: lm-eval tasks) runs on every rank at its cadence.
+    Returns (last record, the stop signal's name or None)."""
     bar = tqdm(total=trainer.max_steps, initial=state.step, disable=not is_rank0, dynamic_ncols=True, desc="train")
     # Throughput counts training steps only: evaluation and checkpoint time stay out of the window.
     window_seconds, window_steps, last, stopped = 0.0, 0, {}, None
     fit_start = time.perf_counter()
-    while state.step < trainer.max_steps and not stopped:
-        step_start = time.perf_counter()
-        lr = engine.lr()  # the rate this step uses (the scheduler advances inside the step)
+    try:  # the bar ends its line whatever happens: an error line never lands on it
+        while state.step < trainer.max_steps and not stopped:
+            if beat is not None:
+                beat(state.step)
+            step_start = time.perf_counter()
+            lr = engine.lr()  # the rate this step uses (the scheduler advances inside the step)
 
-        loss = engine.train_step(data.train_step(state.consumed))
-        state.step += 1
-        state.consumed += data.layout.global_batch
-        window_steps += 1
-        window_seconds += time.perf_counter() - step_start
+            loss = engine.train_step(data.train_step(state.consumed))
+            state.step += 1
+            state.consumed += data.layout.global_batch
+            window_steps += 1
+            window_seconds += time.perf_counter() - step_start
 
-        # one all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop
-        flags = torch.tensor([loss.item(), float(stop is not None and stop.signal_name is not None)])
-        flags = _sum_over_ranks(flags)
-        loss_value = flags[0].item() / dist.get_world_size()
-        if not torch.isfinite(flags[0]):
-            raise TrainingError(f"the loss became {loss_value} at step {state.step}: lower optimizer.lr or raise "
-                                "schedule.warmup_steps (fp16: use precision=bf16); the last checkpoint is kept")
-        if flags[1] > 0:
-            stopped = (stop.signal_name if stop is not None and stop.signal_name else "SIGTERM")
+            # one all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop
+            flags = torch.tensor([loss.item(), float(stop is not None and stop.signal_name is not None)])
+            flags = _sum_over_ranks(flags)
+            loss_value = flags[0].item() / dist.get_world_size()
+            if not torch.isfinite(flags[0]):
+                if checkpoints is not None:
+                    checkpoints.abandon()  # the last save holds the weights that gave this loss
+                raise TrainingError(f"the loss became {loss_value} at step {state.step}: lower optimizer.lr or raise "
+                                    "schedule.warmup_steps (fp16: use precision=bf16); the last sound checkpoint is kept")
+            if checkpoints is not None:
+                checkpoints.confirm()
+            if flags[1] > 0:
+                stopped = (stop.signal_name if stop is not None and stop.signal_name else "SIGTERM")
 
-        # log: throughput over the window since the last log
-        if state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped:
-            last = {"step": state.step, "loss": loss_value, "lr": lr, "tokens": state.consumed * data.block_tokens,
-                    **throughput.record(window_steps, window_seconds), **engine.step_record(),
-                    "elapsed_s": time.perf_counter() - fit_start, "time": time.time()}
-            if min_loss_scale is not None and last.get("loss_scale", float("inf")) <= min_loss_scale \
-                    and last["skipped_steps"] >= state.step // 2:
-                raise TrainingError(f"fp16 loss scale stuck at its minimum {min_loss_scale} with {last['skipped_steps']} "
-                                    f"of {state.step} steps skipped (overflow): use precision=bf16")
-            if is_rank0:
-                sinks.log(last)
-                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
-            window_seconds, window_steps = 0.0, 0
+            # log: throughput over the window since the last log
+            if state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped:
+                last = {"step": state.step, "loss": loss_value, "lr": lr, "tokens": state.consumed * data.block_tokens,
+                        **throughput.record(window_steps, window_seconds), **engine.step_record(),
+                        "elapsed_s": time.perf_counter() - fit_start, "time": time.time()}
+                if min_loss_scale is not None and last.get("loss_scale", float("inf")) <= min_loss_scale \
+                        and last["skipped_steps"] >= state.step // 2:
+                    raise TrainingError(f"fp16 loss scale stuck at its minimum {min_loss_scale} with {last['skipped_steps']} "
+                                        f"of {state.step} steps skipped (overflow): use precision=bf16")
+                if is_rank0:
+                    sinks.log(last)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                window_seconds, window_steps = 0.0, 0
 
-        # evaluate on the held-out split
-        if (trainer.eval_every and state.step % trainer.eval_every == 0) or state.step == trainer.max_steps:
-            eval_loss = evaluate(engine, data)
-            if is_rank0:
-                sinks.log({"step": state.step, "eval_loss": eval_loss, "tokens": state.consumed * data.block_tokens,
-                           "elapsed_s": time.perf_counter() - fit_start})
-                bar.write(f"step {state.step}: eval_loss {eval_loss:.4f}")
-            last = {**last, "eval_loss": eval_loss}
+            # evaluate on the held-out split
+            if (trainer.eval_every and state.step % trainer.eval_every == 0) or state.step == trainer.max_steps:
+                eval_loss = evaluate(engine, data)
+                if is_rank0:
+                    sinks.log({"step": state.step, "eval_loss": eval_loss, "tokens": state.consumed * data.block_tokens,
+                               "elapsed_s": time.perf_counter() - fit_start})
+                    bar.write(f"step {state.step}: eval_loss {eval_loss:.4f}")
+                last = {**last, "eval_loss": eval_loss}
 
-        # checkpoint: at the cadence, at the end, and when asked to stop
-        if trainer.save_every and (state.step % trainer.save_every == 0 or state.step == trainer.max_steps) or stopped:
-            save(state)
-        bar.update(1)
-    bar.close()
+            # downstream tasks on the live model: every rank runs them, rank 0 gets one line per task
+            if downstream is not None and downstream.due(state.step, trainer.max_steps):
+                for line in downstream(state.step, beat):
+                    sinks.log({**line, "tokens": state.consumed * data.block_tokens, "elapsed_s": time.perf_counter() - fit_start})
+                    bar.write(f"step {state.step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in line.items()
+                                                                  if k != "step"))
+                    last = {**last, **line}
+
+            # checkpoint: at the cadence, at the end, and when asked to stop (the end's evaluation, or
+            # the stop, vouches for the weights at once)
+            final = state.step == trainer.max_steps or stopped
+            if checkpoints is not None and (trainer.save_every and (state.step % trainer.save_every == 0 or final) or stopped):
+                checkpoints.save(state)
+                if final and math.isfinite(last.get("eval_loss", 0.0)):
+                    checkpoints.confirm()
+            bar.update(1)
+    finally:
+        bar.close()
     return last, stopped

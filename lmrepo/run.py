@@ -17,13 +17,18 @@ from lmrepo.ds_config import batch_of, build_ds_config
 from lmrepo.engines import build_engine
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.estimate import checkpointed_layers
+from lmrepo.evaluation import Downstream
+from lmrepo.evaluation.tasks import TaskSet
 from lmrepo.loggers import build_sinks
 from lmrepo.loop import StopRequest, Throughput, TrainState, fit
 from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, peak_tflops
+from lmrepo.nvme import use_per_run_swap
 from lmrepo.preflight import check_deepspeed, check_tensor_parallel
-from lmrepo.rundir import refuse, truncate_metrics, write_config_files, write_status
+from lmrepo.rundir import (check_unused, own, refuse, remove_if_empty, truncate_metrics, write_config_files,
+                           write_status)
 from lmrepo.tokenizer import load_tokenizer
-from lmrepo.user_config import UserConfig, lay_over
+from lmrepo.user_config import UserConfig, lay_over, redact
+from lmrepo.watchdog import Watchdog
 
 
 @dataclass
@@ -42,15 +47,16 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     config = load(cfg)
     device = device or detect_device(config.trainer.device)
     config.precision.dtype, precision_line = choose_precision(config.precision.dtype, device)
-    check_tensor_parallel(config)
+    check_tensor_parallel(config.tp, config.model)
     dp_size = layout_check(config, world_size)
+    config.eval.check(config.model.family, config.pipeline.schedule, dp_size)
     ds_config, user_changed, user = build_ds_config(config, dp_size), [], None
     notes = [precision_line] if precision_line else []
     if config.deepspeed_config:
         user = UserConfig(config.deepspeed_config)
         ds_config, user_changed = lay_over(ds_config, user, config, dp_size)
         notes += [f"lmrepo: warning: deepspeed_config={user.path}: {line}" for line in user.warnings]
-    check_deepspeed(ds_config, config, device, user)
+    check_deepspeed(ds_config, config.pipeline, device, user)
     return Plan(config, device, ds_config, user_changed, notes)
 
 
@@ -64,6 +70,7 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
         raise ConfigError(f"model.tokenizer={config.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
     config.model.check_vocab(len(tokenizer))
     resume = None
+    check_unused(run_dir, resuming=config.run.resume is not None)
     found = checkpoint.find(config.run.resume, run_dir / "checkpoints")
     if found:
         resume = checkpoint.inspect(*found, config.model, len(tokenizer), config.pipeline)
@@ -74,10 +81,29 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
                               f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
                               "checkpoint conversion is not supported for pipelines here)")
         resume = checkpoint.prepare_universal(resume, dp_size)
-        if resume.universal:
-            ds_config["checkpoint"] = {"load_universal": True}
     data_sources = prepare_sources(config.data, tokenizer)
     return job, tokenizer, data_sources, resume
+
+
+def downstream_tasks(names: list[str]):
+    """eval.tasks resolved and their data read before any process group starts (an unknown name
+    or a hub task offline is refused here), or None."""
+    if not names:
+        return None
+    tasks = TaskSet(names)
+    tasks.load()
+    return tasks
+
+
+def agree_with_rank0(run_dir: Path, resume):
+    """Every rank writes into rank 0's run directory and resumes rank 0's checkpoint: ranks on
+    other nodes name their run directory from their own launcher's start time (or srun's), and a
+    second late can make another name; the empty directory Hydra made there is removed."""
+    chosen = [run_dir, resume]
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0].resolve() != run_dir.resolve():
+        remove_if_empty(run_dir)
+    return chosen[0], chosen[1]
 
 
 def throughput_of(config: TrainConfig, ds_config: dict, device) -> Throughput:
@@ -98,13 +124,26 @@ def train(cfg: DictConfig) -> dict:
     rank0 = launch.rank() == 0
     try:
         job, tokenizer, data_sources, resume = prepare_job(cfg, run_dir)
+        tasks = downstream_tasks(job.config.eval.tasks)
+        if job.device.type == "cpu":
+            launch.prepare_shm()
+        run_lock = own(run_dir) if rank0 else None  # held until train() returns (the OS frees it on any death)
     except ConfigError as err:
         refuse(str(err), run_dir)
     config, ds_config = job.config, job.ds_config
 
     checkpoint_requests = StopRequest()  # before the process group: a signal during start-up still counts
-    launch.init_distributed()
+    launch.init_distributed(config.run.hang_timeout_s)
     atexit.register(launch.release_shm_buffer)  # also after a failure; only kill -9 escapes it
+    run_dir, resume = agree_with_rank0(run_dir, resume)
+    if resume and resume.universal:
+        ds_config["checkpoint"] = {"load_universal": True}
+    if resume:
+        try:
+            checkpoint.verify(resume)  # the checksums, shared out over the ranks
+        except ConfigError as err:
+            refuse(str(err), None)
+    use_per_run_swap(ds_config, run_dir.name)
     set_seed(config.trainer.seed)
     plain_config = to_dict(config)
     if rank0:
@@ -115,12 +154,15 @@ def train(cfg: DictConfig) -> dict:
             print(f"lmrepo: deepspeed_config={config.deepspeed_config} sets {', '.join(job.user_changed)}", flush=True)
     checkpoint_dir = run_dir / "checkpoints"
 
-    def save(state: TrainState) -> None:
-        saving = time.perf_counter()
-        checkpoint.save(engine, checkpoint_dir, state, plain_config, len(tokenizer), config.trainer.keep_last)
+    def hung(message: str) -> None:  # the watchdog's last word, from its thread, before the process exits
+        write_status(run_dir, "failed", started, error=message, step=watchdog.step)
+        launch.release_shm_buffer()
+
+    watchdog = Watchdog(run_dir, dist.get_rank(), dist.get_world_size(), config.run.hang_timeout_s, hung)
+
+    def saved(step: int, seconds: float, size_gb: float) -> None:
         if rank0:
-            sinks.log({"step": state.step, "checkpoint_save_s": time.perf_counter() - saving,
-                       "checkpoint_gb": checkpoint.size_gb(checkpoint_dir / checkpoint.tag_for(state.step))})
+            sinks.log({"step": step, "checkpoint_save_s": seconds, "checkpoint_gb": size_gb})
 
     sinks = None
     try:
@@ -129,29 +171,39 @@ def train(cfg: DictConfig) -> dict:
         layout = Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size)
         data = LMData(data_sources, config.data.block_size, config.model.family, tokenizer, layout,
                       config.trainer.seed, config.trainer.eval_batches)
+        downstream = Downstream(config.eval, tasks, engine, tokenizer, run_dir) if tasks else None
         loading = time.perf_counter()
         state = checkpoint.load(engine, resume) if resume else TrainState()
         load_seconds = time.perf_counter() - loading
         if rank0:
+            if config.run.resume:  # a crashed run's lines past the checkpoint (all of them: none) are redone
+                truncate_metrics(run_dir, state.step)
             if resume:
-                truncate_metrics(run_dir, state.step)  # a crashed run's lines past the checkpoint are redone
                 print(f"lmrepo: resumed from {resume.directory / resume.tag} at step {state.step}", flush=True)
-            sinks = build_sinks(config.logger, run_dir, plain_config, ds_config)
+            sinks = build_sinks(config.logger, run_dir, plain_config, redact(ds_config))
             if resume:
                 sinks.log({"step": state.step, "checkpoint_load_s": load_seconds})
         fp16 = ds_config.get("fp16", {})
-        last, stopped = fit(engine, data, config.trainer, throughput_of(config, ds_config, job.device), sinks, state, save,
-                            checkpoint_requests, rank0,
-                            min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None)
+        checkpoints = checkpoint.Checkpointer(engine, checkpoint_dir, plain_config, len(tokenizer), config.trainer.keep_last,
+                                              on_saved=saved)
+        last, stopped = fit(engine, data, config.trainer, throughput_of(config, ds_config, job.device), sinks, state, checkpoints,
+                            checkpoint_requests, rank0, watchdog.beat,
+                            min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None,
+                            downstream=downstream)
     except (ConfigError, TrainingError) as err:
         if rank0:
             write_status(run_dir, "failed", started, error=str(err))
         refuse(str(err), None, code=1)
     except BaseException as err:
+        if (hang := watchdog.describe(err)) is not None:
+            # Any rank that lost its peer can tell: the same verdict, written atomically.
+            write_status(run_dir, "failed", started, error=hang, step=watchdog.step)
+            refuse(hang, None, code=1)
         if rank0:
             write_status(run_dir, "failed", started, error=f"{type(err).__name__}: {err}")
         raise
     finally:
+        watchdog.stop()
         if sinks is not None:
             sinks.finish()
     if rank0:
@@ -164,4 +216,7 @@ def train(cfg: DictConfig) -> dict:
             write_status(run_dir, "completed", started, final=last)
             print(f"lmrepo: done at step {last.get('step')}: {summary}. Run directory: {run_dir}", flush=True)
     dist.destroy_process_group()
+    if run_lock is not None:
+        run_lock.release()
+    checkpoint_requests.hand_back()  # a scheduler's own handler (submitit requeues the job) now the checkpoint is saved
     return last

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,16 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size
 @pytest.fixture(scope="session", autouse=True)
 def shm_buffers():
     """Runs killed on purpose (kill -9 tests) cannot unlink DeepSpeed's /dev/shm all-reduce
-    buffers themselves: remove what the session left."""
+    buffers themselves: remove what the session left that no live process maps (another
+    pytest worker's runs may still use theirs)."""
+    from lmrepo.launch import mapped_shm_names
+
     before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     yield
+    mapped = mapped_shm_names()
     for leftover in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
-        leftover.unlink(missing_ok=True)
+        if leftover.name not in mapped:
+            leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,9 +64,29 @@ def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int 
         cmd = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "train.py")]
     else:
         cmd = [PYTHON, str(REPO / "train.py")]
-    cwd = next(p for p in run_dir.parents if p.exists())
+    cwd = next(p for p in run_dir.parents if p.is_dir())
     return subprocess.run([*cmd, *overrides, f"hydra.run.dir={run_dir}"], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0) -> subprocess.Popen:
+    """A TINY run left running (its own process group): for tests that signal or race it."""
+    launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [PYTHON]
+    return subprocess.Popen([*launcher, str(REPO / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=next(p for p in run_dir.parents if p.is_dir()), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for(predicate, proc: subprocess.Popen) -> None:
+    """Until `predicate()` holds; fails with the run's output if the run ends first."""
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 @pytest.fixture(scope="session")

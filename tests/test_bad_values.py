@@ -1,7 +1,9 @@
 """A wrong value anywhere is one `lmrepo: error:` line naming the key, exit 2, before anything
-is written: no run directory, no token cache, no W&B run. Each case is a real `python train.py`
-command, as a user would type it; for every group a wrong type, an out-of-range value and an
-unknown key (and the enum choices, the moved keys, the unknown options)."""
+is written: no run directory, no token cache, no W&B run. Each case is a `python train.py`
+command line as a user would type it, run through train.py's __main__; for every group a wrong
+type, an out-of-range value and an unknown key (and the enum choices, the moved keys, the
+unknown options)."""
+import json
 import os
 import subprocess
 
@@ -58,19 +60,45 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides, key", CASES, ids=[c[0] for c in CASES])
-def test_bad_value_is_one_line_naming_the_key(tmp_path, overrides, key):
-    cache, work = tmp_path / "cache", tmp_path / "work"
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    """Every case through train.py's __main__, each in a fresh environment, in one interpreter
+    (tests/bad_value_driver.py), from an empty working directory with an empty token cache."""
+    root = tmp_path_factory.mktemp("bad-values")
+    work, cache = root / "work", root / "cache"
     work.mkdir()
+    (root / "cases.json").write_text(json.dumps([overrides.split() for overrides, _ in CASES]))
     env = dict(os.environ, LMREPO_CACHE=str(cache), WANDB_MODE="offline")
-    proc = subprocess.run([PYTHON, str(REPO / "train.py"), *overrides.split()], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=300)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(errors) == 1 and key in errors[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert list(work.iterdir()) == [], "nothing written where the job ran (no outputs/, no wandb/)"
+    proc = subprocess.run([PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {" ".join(r["args"]): r for r in map(json.loads, proc.stdout.splitlines())}
+    return results, work, cache
+
+
+@pytest.mark.parametrize("overrides, key", CASES, ids=[c[0] for c in CASES])
+def test_bad_value_is_one_line_naming_the_key(verdicts, overrides, key):
+    results, work, cache = verdicts
+    result = results[overrides]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("lmrepo: error:")]
+    assert result["code"] == 2, result["stderr"][-2000:]
+    assert len(errors) == 1 and key in errors[0], result["stderr"][-2000:]
+    assert "Traceback" not in result["stderr"]
+
+
+def test_nothing_is_left_behind(verdicts):
+    _, work, cache = verdicts
+    assert list(work.iterdir()) == [], "nothing written where the jobs ran (no outputs/, no wandb/)"
     assert not cache.exists() or list(cache.iterdir()) == [], "no token cache"
+
+
+def test_a_bad_value_is_one_line_from_a_fresh_process_too(tmp_path):
+    """The battery runs in one interpreter; this is the same as its own process."""
+    proc = subprocess.run([PYTHON, str(REPO / "train.py"), "trainer.micro_batch_size=2.5"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "lmrepo: error: trainer.micro_batch_size=2.5: Value '2.5' of type 'float' could not be converted to Integer"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_battery_covers_every_group():

@@ -58,9 +58,10 @@ SEED_004 = """{
 
 def all_options() -> list[str]:
     """`group=option` for every YAML of every technique group (hydra's own and the experiment
-    recipes, which override other groups, excluded)."""
+    and hparams_search recipes, which override other groups, excluded)."""
     return [f"{group.name}={yaml.stem}" for group in sorted(CONF.iterdir())
-            if group.is_dir() and group.name not in ("hydra", "experiment") for yaml in sorted(group.glob("*.yaml"))]
+            if group.is_dir() and group.name not in ("hydra", "experiment", "hparams_search")
+            for yaml in sorted(group.glob("*.yaml"))]
 
 
 def option_yaml(group: str, option: str) -> dict:

@@ -3,11 +3,12 @@ in its README), each through `python train.py deepspeed_config=FILE` on a tiny G
 it trains, or stops before launch with exactly one `lmrepo: error:` line naming the JSON key and
 exit 2; never a traceback. Plus the 2-rank cases and a resume with a user JSON."""
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics, run_train
+from conftest import PYTHON, REPO, TINY, read_metrics, run_train
 from lmrepo.device import detect_device
 
 CONFIGS = REPO / "tests" / "data" / "ds_configs"
@@ -51,7 +52,7 @@ def test_every_collected_file_has_a_verdict():
     assert len(EXPECTED) >= 15
 
 
-def assert_refused_in_one_line(proc, run_dir: Path, expected: str) -> None:
+def assert_refused_in_one_line(proc, run_dir: Path, expected: str) -> None:  # a real process (2 ranks)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -67,18 +68,41 @@ def assert_trained(proc, run_dir: Path) -> dict:
     return ds
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_real_config_trains_or_stops_in_one_line(tmp_path, name):
+TRAINS = sorted(name for name, expected in EXPECTED.items() if expected is None)
+REFUSED = sorted(name for name, expected in EXPECTED.items() if expected is not None)
+
+
+@pytest.mark.parametrize("name", TRAINS)
+def test_real_config_trains(tmp_path, name):
     run_dir = tmp_path / "run"
     proc = run_train([*SHORT, f"deepspeed_config={CONFIGS / name}"], run_dir)
-    if EXPECTED[name] is None:
-        ds = assert_trained(proc, run_dir)
-        user = json.loads((CONFIGS / name).read_text())
-        if isinstance(user.get("zero_optimization", {}).get("stage"), int):
-            assert ds["zero_optimization"]["stage"] == user["zero_optimization"]["stage"]
-        assert f"lmrepo: deepspeed_config={CONFIGS / name} sets" in proc.stdout
-    else:
-        assert_refused_in_one_line(proc, run_dir, EXPECTED[name])
+    ds = assert_trained(proc, run_dir)
+    user = json.loads((CONFIGS / name).read_text())
+    if isinstance(user.get("zero_optimization", {}).get("stage"), int):
+        assert ds["zero_optimization"]["stage"] == user["zero_optimization"]["stage"]
+    assert f"lmrepo: deepspeed_config={CONFIGS / name} sets" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """The refused files through train.py's __main__ in one interpreter (tests/bad_value_driver.py)."""
+    root = tmp_path_factory.mktemp("refused")
+    cases = [[*SHORT, f"deepspeed_config={CONFIGS / name}", f"hydra.run.dir={root / name}"] for name in REFUSED]
+    (root / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")], cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, {Path(r["args"][-2].split("=", 1)[1]).name: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_real_config_stops_in_one_line(refusals, name):
+    root, results = refusals
+    result = results[name]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("lmrepo: error:")]
+    assert result["code"] == 2 and len(errors) == 1 and EXPECTED[name] in errors[0], result["stderr"][-3000:]
+    assert "Traceback" not in result["stderr"]
+    assert not (root / name).exists(), "nothing written"
 
 
 @pytest.mark.distributed

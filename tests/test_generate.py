@@ -46,6 +46,7 @@ def test_greedy_and_seeded_sampling_are_deterministic(gpt2_run, tmp_path):
     assert run(parse_args(sampling))["new_tokens"] == run(parse_args(sampling))["new_tokens"]
 
 
+@pytest.mark.distributed
 def test_bert_fill_mask_two_ranks_equal_one(tmp_path):
     args = [f"run={BERT_DIR}", "prompt=the king of [MASK] is dead.", "top_k=5"]
     assert_ok(generate([*args, f"json={tmp_path / 'one.json'}"], tmp_path))
@@ -60,6 +61,7 @@ def test_bert_fill_mask_two_ranks_equal_one(tmp_path):
         assert all(abs(p - q) <= 1e-5 * p for p, q in zip(a["probs"], b["probs"])), (a, b)
 
 
+@pytest.mark.distributed
 def test_refusals(gpt2_run, tmp_path, capsys):
     proc = generate([f"run={gpt2_run}", "prompt=ROMEO:"], tmp_path, ranks=2)
     assert proc.returncode == 2

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, assert_ok, compose_config, read_metrics, run_train, train_losses
+from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train, train_losses
 from conftest import validate
 from lmrepo.compose import compose_checked
 from lmrepo.device import detect_device
@@ -20,6 +20,7 @@ from lmrepo.generate import main as generate_main
 LLAMA = [*TINY, "model=llama-tiny", "model.n_kv_head=2", "model.n_inner=128", "precision=fp32"]
 
 
+@pytest.mark.distributed
 def test_llama_autotp_matches_unsharded_and_resumes(tmp_path):
     sharded, plain, resumed = tmp_path / "tp2", tmp_path / "tp1", tmp_path / "tp2_resumed"
     assert_ok(run_train([*LLAMA, "tp=auto", "trainer.save_every=3"], sharded, ranks=2))
@@ -82,7 +83,7 @@ def test_tp_config_and_refusals():
         (["model=llama-tiny", "tp.size=2"], 2, "tp.size=2 needs tp=auto"),
         (["model=llama-tiny", "tp=auto", "tp.size=8"], 8, "tp.size=8 does not divide the model's 4 attention heads"),
         (["model=llama-tiny", "model.n_head=2"], 1, "model.n_kv_head=4 does not divide model.n_head=2"),
-        (["model=llama-tiny", "tp.mode=megatron"], 2, "tp.mode=megatron is not none or auto"),
+        (["model=llama-tiny", "tp.mode=megatron"], 2, "tp.mode=megatron: Invalid value 'megatron', expected one of [none, auto]"),
     ]
     for overrides, world, message in refusals:
         error = ds_or_error(overrides, world)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lmrepo.config.data import DataConfig, Source, SourceConfig
+from lmrepo.config.evaluation import EvalConfig
 from lmrepo.config.model import Family, ModelConfig
 from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunConfig
 from lmrepo.config.parallel import (PIPELINE_FAMILIES, CheckpointingConfig, OffloadConfig, OffloadTarget,
@@ -43,6 +44,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -74,7 +76,7 @@ def load(cfg: DictConfig) -> TrainConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(describe_omegaconf_error(err)) from None
     for part in (config.model, config.data, config.optimizer, config.trainer, config.precision, config.zero,
-                 config.offload, config.pipeline, config.tp, config.metrics, config.launcher):
+                 config.offload, config.pipeline, config.tp, config.metrics, config.launcher, config.run):
         part.check()
     config.schedule.check(config.trainer.max_steps)
     config.schedule.warmup_steps = config.schedule.resolved_warmup(config.trainer.max_steps)
@@ -89,7 +91,7 @@ def load(cfg: DictConfig) -> TrainConfig:
 def layout_check(config: TrainConfig, world_size: int) -> int:
     """The rules of the rank layout; returns the data-parallel size. world = pipeline stages x
     tensor-parallel size x data-parallel degree."""
-    pipe, trainer = config.pipeline, config.trainer
+    pipe = config.pipeline
     require(world_size % pipe.stages == 0, f"pipeline.stages={pipe.stages} does not divide the world size "
                                            f"{world_size}: change pipeline.stages or the rank count")
     if pipe.schedule != "none":

@@ -1,6 +1,6 @@
 """`data`: which corpus is tokenized, and how it is cut into training samples."""
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import List, Optional
 

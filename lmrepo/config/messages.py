@@ -5,7 +5,7 @@ from dataclasses import fields, is_dataclass
 
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from lmrepo.errors import exit_error
+from lmrepo.errors import disk_error, exit_error
 
 # Keys that moved to a component of their own (lmrepo 0.2): a user's old command is told where.
 MOVED = {old: f"{old} has moved: set {new}" for old, new in {
@@ -88,6 +88,9 @@ def one_line_config_errors():
         yield
     except Exception as err:
         line = None if user_wants_traceback else describe_hydra_error(err)
+        if line is None and not user_wants_traceback and (reason := disk_error(err)) is not None:
+            # Hydra creating the run directory, or the run writing into it: a disk or a permission
+            line = f"{reason}: choose a writable run directory with room (hydra.run.dir=...)"
         if line is None:
             raise
         exit_error(line)

@@ -42,6 +42,16 @@ class RunConfig:
     """the run directory (Hydra's outputs/<date>/<time> by default)"""
     resume: Optional[str] = None
     """null | auto (continue from run.dir's latest checkpoint) | PATH of a run, its checkpoints/ or a checkpoint"""
+    hang_timeout_s: int = 600
+    """seconds a collective waits for a stalled or dead peer before every rank stops (a rank stuck elsewhere: twice that); 0 = DeepSpeed's default, no watchdog"""
+
+    def check(self) -> None:
+        require(self.hang_timeout_s >= 0, f"run.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0 = off)")
+
+
+class ObjectiveMode(StrEnum):
+    min = "min"
+    max = "max"
 
 
 @dataclass
@@ -50,7 +60,12 @@ class LauncherConfig:
     """ranks per multirun job (per node with hydra/launcher=slurm)"""
     nodes: int = 1
     """nodes per job (hydra/launcher=slurm)"""
+    objective: str = "eval_loss"
+    """what a sweep job returns to the sweeper: the last value metrics.jsonl logged for this key"""
+    objective_mode: ObjectiveMode = ObjectiveMode.min
+    """min | max: which objective is best; returned as logged, so a search sweeper's direction must agree"""
 
     def check(self) -> None:
         require(self.ranks >= 1, f"launcher.ranks={self.ranks} must be >= 1")
         require(self.nodes >= 1, f"launcher.nodes={self.nodes} must be >= 1")
+        require(bool(self.objective.strip()), "launcher.objective must name a metric (a key of metrics.jsonl, e.g. eval_loss)")

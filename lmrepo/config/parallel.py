@@ -37,11 +37,16 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: Optional[bool] = None
     """stage 3: save_16bit_model writes whole weights"""
 
+    # Counts of elements, typed float so that 5e8 is accepted as DeepSpeed's docs write it.
+    SIZES = ("allgather_bucket_size", "reduce_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+             "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
     def check(self) -> None:
         require(self.stage in (0, 1, 2, 3), f"zero.stage={self.stage} is not 0-3: choose zero=stage0..stage3")
-        for key, value in self.__dict__.items():
-            if isinstance(value, float):
-                require(value >= 0 and value == int(value), f"zero.{key}={value} must be a whole number of elements >= 0")
+        for key in self.SIZES:
+            value = getattr(self, key)
+            require(value is None or (value >= 0 and value == int(value)),
+                    f"zero.{key}={value} must be a whole number of elements >= 0")
 
 
 class OffloadTarget(StrEnum):

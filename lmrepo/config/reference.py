@@ -1,13 +1,14 @@
 """Every key of the schema with its type, value and docstring: `python train.py --help` and
 README.md's option reference are both generated here, so neither can drift from the schema.
 
-    python -m lmrepo.config.reference     # the README's option reference (markdown)
+    python -m lmrepo.config.reference            # the option reference (markdown)
+    python -m lmrepo.config.reference --write    # ... written into README.md between its markers
 """
 import ast
 import enum
 import inspect
 import typing
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from functools import cache
 from pathlib import Path
 
@@ -127,7 +128,28 @@ def register_help_resolver() -> None:
         OmegaConf.register_new_resolver("lmrepo_help", lambda *, _root_: help_text(_root_))
 
 
-if __name__ == "__main__":
+README = CONF_DIR.parent / "README.md"
+MARKERS = ("<!-- options:start -->\n", "<!-- options:end -->")
+
+
+def default_markdown() -> str:
     from lmrepo.compose import compose_config
 
-    print(markdown(compose_config([], run_dir="${hydra:runtime.output_dir}")))
+    return markdown(compose_config([], run_dir="${hydra:runtime.output_dir}"))
+
+
+def readme_block(text: str) -> str:
+    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
+    return text[start:end].strip("\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    table = default_markdown()
+    if "--write" in sys.argv:
+        text = README.read_text()
+        README.write_text(text.replace(readme_block(text), table) if readme_block(text) else
+                          text.replace(MARKERS[0], MARKERS[0] + table + "\n"))
+    else:
+        print(table)

@@ -60,10 +60,12 @@ def run_id(run_dir: Path) -> str:
 
 
 class WandbSink:
-    """One W&B run per job. In a sweep the lmrepo launcher sets LMREPO_SWEEP_GROUP (the group)
-    and LMREPO_JOB_NAME (the choices that differ between jobs, the run's name)."""
+    """One W&B run per job. In a sweep the lmrepo launcher sets LMREPO_SWEEP_GROUP (the group:
+    the sweep, or a search's study) and LMREPO_JOB_NAME (the job's own choices, the run's name);
+    the run's summary gets `objective`, the value the launcher returns to the sweeper."""
 
     def __init__(self, logger, run_dir: Path, config: dict, ds_config: dict):
+        self.objective_key, self.objective = config["launcher"]["objective"], None
         self.mode = resolve_mode(logger.mode)
         self.run = wandb.init(
             project=logger.project, entity=logger.entity,
@@ -74,7 +76,13 @@ class WandbSink:
             settings=wandb.Settings(init_timeout=60, console="off", silent=True))
 
     def log(self, record: dict) -> None:
+        if isinstance(record.get(self.objective_key), (int, float)):
+            self.objective = record[self.objective_key]
         self.run.log({k: v for k, v in record.items() if k not in ("step", "time") and v is not None}, step=record["step"])
 
     def finish(self) -> None:
+        if self.objective is not None:
+            # launcher.objective's last value, as the launcher reads it from metrics.jsonl: W&B
+            # sorts and compares a study's trials by one summary key whatever the objective is.
+            self.run.summary["objective"] = self.objective
         self.run.finish()

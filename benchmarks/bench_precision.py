@@ -1,0 +1,60 @@
+"""The default job's speed with the old default precision (bf16 everywhere) against precision=auto,
+on this CPU as it is and on this CPU with its native bf16 hidden (oneDNN and ATen capped at AVX2,
+as on an AMD Zen 3), side by side in one run.
+
+    python benchmarks/bench_precision.py [--steps 4] [--out DIR]
+
+Each arm is `python train.py` (the default job: gpt2-tiny, 128-token blocks, micro batch 8) for
+--steps steps; the step time is the median of the logged steps after the first. Prints, per CPU
+mode: the precision auto chose, step time and tokens/s of each arm, and their ratio.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+
+# What hides native bf16 from torch: oneDNN's kernels and ATen's dispatch capped at AVX2.
+NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def run(out: Path, name: str, precision: str, steps: int, env: dict) -> dict:
+    run_dir = out / name
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"precision={precision}", f"trainer.max_steps={steps}",
+                           "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1", "logger=jsonl",
+                           f"hydra.run.dir={run_dir}"], cwd=out, env={**os.environ, **env}, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-2000:]}")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [m for m in lines if "loss" in m][1:]  # the first step builds kernels
+    chosen = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    tokens_per_step = 8 * 128
+    step_s = statistics.median(tokens_per_step / m["tokens_per_s"] for m in steps_logged)
+    return {"precision": chosen["precision"]["dtype"], "step_s": step_s, "tokens_per_s": tokens_per_step / step_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="lmrepo-bench-precision-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print("| CPU | arm | precision | step s | tokens/s |\n| --- | --- | --- | --- | --- |")
+    for mode, env in (("as it is", {}), ("native bf16 hidden (AVX2)", NO_BF16)):
+        before = run(out, f"before-{len(env)}", "bf16", args.steps, env)
+        after = run(out, f"after-{len(env)}", "auto", args.steps, env)
+        for arm, result in (("before: precision=bf16 (the old default)", before), ("after: precision=auto", after)):
+            print(f"| {mode} | {arm} | {result['precision']} | {result['step_s']:.3f} | {result['tokens_per_s']:,.0f} |")
+        print(f"| {mode} | before / after step time | | {before['step_s'] / after['step_s']:.2f}x | |")
+
+
+if __name__ == "__main__":
+    main()

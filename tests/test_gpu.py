@@ -1,0 +1,56 @@
+"""The GPU-only paths, run where a GPU is (`pytest -m gpu`); skipped with the reason elsewhere.
+fp16 with dynamic loss scaling also runs on a CPU whose DeepSpeed accelerator computes fp16
+(AMX-FP16): that test asks the device, not the marker."""
+import json
+
+import pytest
+import torch
+
+from conftest import TINY, assert_ok, read_metrics, run_train
+from lmrepo.device import detect_device
+from lmrepo.compose import load_config
+from lmrepo.estimate import count_parameters, meta_model, model_state_bytes
+
+CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (NCCL, CUDA memory, the GPU peak table)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not detect_device("auto").fp16, reason="fp16 needs a GPU or a CPU with AMX-FP16")
+def test_fp16_dynamic_loss_scaling_logs_the_scale_and_skipped_steps(tmp_path):
+    run_dir = tmp_path / "run"
+    assert_ok(run_train([*TINY, "precision=fp16", "trainer.max_steps=12"], run_dir))
+    steps = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert all("loss_scale" in m and "skipped_steps" in m for m in steps)
+    # Dynamic scaling starts at 2**16 and halves on each overflow: the scale never grows in 12 steps.
+    scales = [m["loss_scale"] for m in steps]
+    assert scales[0] <= 2**16 and scales == sorted(scales, reverse=True)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nccl_zero_stages_agree_on_every_visible_gpu(tmp_path, stage):
+    ranks = torch.cuda.device_count()
+    runs = {}
+    for s in (0, stage):
+        runs[s] = tmp_path / f"zero{s}"
+        assert_ok(run_train([*TINY, f"zero=stage{s}", "trainer.micro_batch_size=2"], runs[s], ranks=ranks if ranks > 1 else 0))
+    reference = [m["loss"] for m in read_metrics(runs[0]) if "loss" in m]
+    ours = [m["loss"] for m in read_metrics(runs[stage]) if "loss" in m]
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, reference)) <= 1e-5  # fp32: only summation order differs
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_memory_covers_the_estimated_model_states_and_mfu_is_reported(tmp_path):
+    run_dir = tmp_path / "run"
+    assert_ok(run_train(["trainer.max_steps=4", "trainer.log_every=1", "logger=jsonl", "precision=bf16"], run_dir))
+    last = [m for m in read_metrics(run_dir) if "loss" in m][-1]
+    params = count_parameters(meta_model(load_config([]).model))  # the default gpt2-tiny
+    states = model_state_bytes(params, stage=0, dp=1, dtype="bf16").gpu / 2**30
+    assert states <= last["mem_gb"] <= states + 4, "max allocated = model states + activations of one micro batch"
+    assert last["mfu"] is not None and 0 < last["mfu"] < 1, f"MFU against {torch.cuda.get_device_name()}'s peak"
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["bf16"]["enabled"]
