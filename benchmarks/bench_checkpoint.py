@@ -4,7 +4,8 @@
     python benchmarks/bench_checkpoint.py --models gpt2-tiny     # the smallest run (~2 min on 2 cores)
 
 Each (model, stage): one step then a save (train.py logs checkpoint_save_s / checkpoint_gb),
-then a resume from it (train.py logs checkpoint_load_s), read back from metrics.jsonl. The
+then a resume from it (train.py logs checkpoint_load_s); checkpoint_sync_s is the part of the save
+that makes it durable (every file fsynced and checksummed into manifest.json), read back from metrics.jsonl. The
 precision is train.py's default, precision=auto: bf16 where the CPU computes it natively, else fp32.
 """
 import argparse
@@ -52,7 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.ranks} ranks, {precision(args.models[0], args.ranks)}, AdamW, micro batch 1 x 128 tokens; "
           "one checkpoint each")
-    print("| model | zero | size (GiB) | save (s) | load (s) |\n| --- | --- | --- | --- | --- |")
+    print("| model | zero | size (GiB) | save (s) | of which fsync + checksums (s) | load (s) |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(prefix="lmrepo-bench-ckpt-") as tmp:  # the checkpoints: GBs, not kept
         out = Path(tmp)
         for model in args.models:
@@ -62,6 +64,7 @@ def main() -> None:
                 loaded = launch(out / f"{model}-{stage}-load", args.ranks,
                                 [f"model={model}", f"zero=stage{stage}", "trainer.max_steps=2", f"run.resume={first}"])
                 print(f"| {model} | {stage} | {saved['checkpoint_gb']:.3f} | {saved['checkpoint_save_s']:.2f} | "
+                      f"{saved['checkpoint_sync_s']:.2f} ({saved['checkpoint_sync_s'] / saved['checkpoint_save_s']:.0%}) | "
                       f"{loaded['checkpoint_load_s']:.2f} |", flush=True)
 
 

@@ -103,9 +103,10 @@ def write_manifest(tag_dir: Path) -> None:
         fsync_dir(tag_dir)
 
 
-def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int) -> str:
+def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int) -> tuple[str, float]:
     """Every rank writes its files of checkpoint step_N, synced and recorded in its manifest;
-    nothing names it yet (promote). Returns the tag."""
+    nothing names it yet (promote). Returns the tag and the seconds the manifest took (fsync and
+    checksums: the price of durability, logged as checkpoint_sync_s)."""
     tag = tag_for(state.step)
     client_state = {"step": state.step, "consumed": state.consumed, "dp_size": engine.dp_size,
                     "config": config, "tokenizer_size": tokenizer_size}
@@ -116,7 +117,9 @@ def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, 
         engine.save(checkpoint_dir, tag, client_state)
         torch.save(rng_state(), checkpoint_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
         dist.barrier()  # every rank's files are complete before they are recorded and `latest` may name them
+        synced = time.perf_counter()
         write_manifest(checkpoint_dir / tag)
+        sync_s = time.perf_counter() - synced
     except Exception as err:
         if (reason := disk_error(err) or write_failure(err, checkpoint_dir)) is None:
             raise
@@ -125,7 +128,7 @@ def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, 
         kept = f"{latest.read_text().strip()} is intact" if latest.is_file() else "there is no earlier checkpoint"
         raise TrainingError(f"saving checkpoint {checkpoint_dir / tag} failed: {reason}; {kept}: free space, then "
                             "resume with run.resume=auto") from None
-    return tag
+    return tag, sync_s
 
 
 def write_failure(err: BaseException, directory: Path) -> str | None:
@@ -164,9 +167,9 @@ class Checkpointer:
 
     def save(self, state: TrainState) -> None:
         started = time.perf_counter()
-        self.pending = save(self.engine, self.directory, state, self.config, self.tokenizer_size)
+        self.pending, sync_s = save(self.engine, self.directory, state, self.config, self.tokenizer_size)
         if self.on_saved is not None:
-            self.on_saved(state.step, time.perf_counter() - started, size_gb(self.directory / self.pending))
+            self.on_saved(state.step, time.perf_counter() - started, sync_s, size_gb(self.directory / self.pending))
 
     def confirm(self) -> None:
         """The weights of the checkpoint on probation gave a finite loss."""

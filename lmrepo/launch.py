@@ -1,4 +1,5 @@
 """Rank environment: what every process needs before Hydra parses and before a process group starts."""
+import contextlib
 import os
 import socket
 import sys
@@ -120,8 +121,11 @@ def prepare_shm() -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         mapped = mapped_shm_names()
         for stale in shm.glob(f"{SHM_PREFIX}{os.getuid()}_*"):
-            if stale.name not in mapped:
-                stale.unlink(missing_ok=True)
+            # A buffer another job's rank is creating right now is not mapped yet (DeepSpeed writes
+            # its 66 MiB, then maps it by name): only an unmapped one a minute old is left over.
+            with contextlib.suppress(FileNotFoundError):  # its owner may remove it meanwhile
+                if stale.name not in mapped and time.time() - stale.stat().st_mtime > 60:
+                    stale.unlink()
     import shutil
 
     from lmrepo.errors import ConfigError

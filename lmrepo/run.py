@@ -70,7 +70,7 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
         raise ConfigError(f"model.tokenizer={config.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
     config.model.check_vocab(len(tokenizer))
     resume = None
-    check_unused(run_dir, resuming=config.run.resume is not None)
+    check_unused(run_dir, resuming=config.run.resume is not None, owner=launch.rank() == 0)
     found = checkpoint.find(config.run.resume, run_dir / "checkpoints")
     if found:
         resume = checkpoint.inspect(*found, config.model, len(tokenizer), config.pipeline)
@@ -160,9 +160,9 @@ def train(cfg: DictConfig) -> dict:
 
     watchdog = Watchdog(run_dir, dist.get_rank(), dist.get_world_size(), config.run.hang_timeout_s, hung)
 
-    def saved(step: int, seconds: float, size_gb: float) -> None:
+    def saved(step: int, seconds: float, sync_s: float, size_gb: float) -> None:
         if rank0:
-            sinks.log({"step": step, "checkpoint_save_s": seconds, "checkpoint_gb": size_gb})
+            sinks.log({"step": step, "checkpoint_save_s": seconds, "checkpoint_sync_s": sync_s, "checkpoint_gb": size_gb})
 
     sinks = None
     try:

@@ -60,9 +60,10 @@ def own(run_dir: Path) -> FileLock:
     return lock
 
 
-def check_unused(run_dir: Path, resuming: bool) -> None:
-    """A fresh run never writes into another run's files, and no run into a live one's."""
-    if (run_dir / LOCK).exists():  # a run was here: is it still running?
+def check_unused(run_dir: Path, resuming: bool, owner: bool) -> None:
+    """A fresh run never writes into another run's files, and no run into a live one's. Only
+    the owner (rank 0) probes the lock: the other ranks would find their own rank 0 holding it."""
+    if owner and (run_dir / LOCK).exists():  # a run was here: is it still running?
         own(run_dir).release()
     previous = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
     if previous and not resuming:

@@ -20,4 +20,5 @@ fi
 $PIP install -q -r requirements.txt
 $PIP install -q --no-deps -r requirements-nodeps.txt
 $PIP install -q --no-deps --no-build-isolation -e .
-echo "lmrepo: environment ready in .venv ($(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'))"
+# versions from the package metadata: importing deepspeed would print its accelerator notice here
+echo "lmrepo: environment ready in .venv ($(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "deepspeed", v("deepspeed"))'))"

@@ -89,6 +89,23 @@ def logged_steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def stop_with_signal(signum: int, overrides: list[str], run_dir: Path) -> tuple[int, str]:
+    """A 2-rank TINY run signalled after 3 logged steps, as Slurm's pre-emption and a terminal's
+    Ctrl-C do (the signal reaches every process of the job): it must save, say so in status.json
+    and point `latest` at the save. Returns (the step it stopped at, its output)."""
+    import signal
+
+    proc = popen_train(overrides, run_dir, ranks=2)
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
+    os.killpg(proc.pid, signum)
+    output, _ = proc.communicate(timeout=300)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "stopped" and status["signal"] == signal.Signals(signum).name, output[-3000:]
+    step = status["final"]["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+    return step, output
+
+
 @pytest.fixture(scope="session")
 def launch2(tmp_path_factory):
     """Runs a 2-rank TINY job once per set of overrides for the whole session (the parity and

@@ -1,7 +1,6 @@
 """Checkpoints that never lose work, on real 2-rank CPU runs: resumed equals uninterrupted,
 kill -9 during a save keeps a loadable `latest`, SIGTERM saves and stops, a different
 data-parallel size resumes through the universal format, export to Hugging Face."""
-import json
 import os
 import shutil
 import signal
@@ -12,7 +11,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import DEEPSPEED, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, wait_for
+from conftest import DEEPSPEED, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, stop_with_signal, \
+    wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -64,15 +64,7 @@ def test_resume_on_other_rank_counts_through_the_universal_checkpoint(launch2, t
 def test_sigterm_saves_and_stops_then_auto_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     overrides = ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "schedule=constant"]
-    proc = popen_train(overrides, run_dir, ranks=2)
-    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
-    # As Slurm's pre-emption and a terminal's Ctrl-C do: the signal reaches every process of the job.
-    os.killpg(proc.pid, signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "stopped" and status["signal"] == "SIGTERM", output[-3000:]
-    stopped_at = status["final"]["step"]
-    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+    stopped_at, output = stop_with_signal(signal.SIGTERM, overrides, run_dir)
     assert "run.resume=auto" in output
     resumed = run_train([*TINY, *overrides, f"trainer.max_steps={stopped_at + 2}", "run.resume=auto"], run_dir, ranks=2)
     assert_ok(resumed)

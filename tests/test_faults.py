@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import (PYTHON, REPO, TINY, assert_ok, free_port, logged_steps, popen_train, read_metrics, run_train,
-                      wait_for)
+                      stop_with_signal, wait_for)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -181,18 +181,31 @@ def test_a_stopped_rank_ends_every_rank_with_its_name(tmp_path):
 def test_the_preemption_signal_saves_on_every_rank_then_resumes(tmp_path):
     """submitit's time-limit warning (SIGUSR2) reaches every task, as Slurm's --signal does."""
     run_dir = tmp_path / "run"
-    proc = popen_train(["trainer.max_steps=100000", "schedule=constant", "zero=stage2"], run_dir, ranks=2)
-    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
-    os.killpg(proc.pid, signal.SIGUSR2)
-    output, _ = proc.communicate(timeout=300)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "stopped" and status["signal"] == "SIGUSR2", output[-2000:]
-    step = status["final"]["step"]
-    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+    step, _ = stop_with_signal(signal.SIGUSR2, ["trainer.max_steps=100000", "schedule=constant", "zero=stage2"], run_dir)
     resumed = run_train([*TINY, f"trainer.max_steps={step + 1}", "schedule=constant", "zero=stage2",
                          "run.resume=auto"], run_dir, ranks=2)
     assert_ok(resumed)
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m][-1] == step + 1
+
+
+def test_start_up_removes_only_the_shm_buffers_left_by_dead_runs(monkeypatch):
+    """What a killed run leaves in /dev/shm (66 MiB per rank) goes at the next start; a buffer
+    another job is creating right now (not mapped yet, seconds old) stays."""
+    from lmrepo import launch
+
+    prefix = f"/dev/shm/{launch.SHM_PREFIX}{os.getuid()}_127.0.0.1_"
+    left_over, being_created = Path(f"{prefix}1_0"), Path(f"{prefix}2_0")
+    for path in (left_over, being_created):
+        path.write_bytes(b"\0" * 1024)
+    os.utime(left_over, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    try:
+        launch.prepare_shm()
+        assert not left_over.exists() and being_created.exists()
+    finally:
+        left_over.unlink(missing_ok=True)
+        being_created.unlink(missing_ok=True)
 
 
 # --- disks and directories -----------------------------------------------------------------------

@@ -95,16 +95,17 @@ class Downstream:
     """eval.tasks on the live engine, every eval.every steps and at the end, on every rank.
     Documents are dealt over the data-parallel ranks; tensor-parallel peers score the same ones."""
 
-    def __init__(self, cfg, tasks, engine, tokenizer, run_dir: Path):
+    def __init__(self, settings, tasks, engine, tokenizer, run_dir: Path):
+        """`settings`: the eval slice (lmrepo.config.evaluation.EvalConfig)."""
         from lmrepo.evaluation.lm import LmrepoLM
 
-        self.cfg, self.tasks, self.run_dir = cfg, tasks, run_dir
+        self.settings, self.tasks, self.run_dir = settings, tasks, run_dir
         self.module = engine.module
         group = engine.ds.mpu.get_data_parallel_group() if engine.ds.autotp_size() > 1 else None
-        self.lm = LmrepoLM(self.module, tokenizer, cfg.batch_size, engine.device, group)
+        self.lm = LmrepoLM(self.module, tokenizer, settings.batch_size, engine.device, group)
 
     def due(self, step: int, max_steps: int) -> bool:
-        return step == max_steps or bool(self.cfg.every and step % self.cfg.every == 0)
+        return step == max_steps or bool(self.settings.every and step % self.settings.every == 0)
 
     def __call__(self, step: int, beat=None) -> list[dict]:
         """The metrics lines on rank 0 (also written to RUN/eval/step_<N>.json); [] elsewhere.
@@ -119,7 +120,7 @@ class Downstream:
         start = time.perf_counter()
         try:
             # stderrs (bootstrapped) are for the final numbers: scripts/evaluate.py
-            results = run_tasks(self.lm, self.tasks, self.cfg.limit, bootstrap_iters=0)
+            results = run_tasks(self.lm, self.tasks, self.settings.limit, bootstrap_iters=0)
         finally:
             self.module.train(training)
         # The harness answers where its rank (the data-parallel one) and LOCAL_RANK are 0: with
