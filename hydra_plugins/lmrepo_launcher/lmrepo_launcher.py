@@ -35,6 +35,8 @@ from hydra.experimental.callback import Callback
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from lmrepo.compare import read_metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -389,11 +391,7 @@ def read_objective(run_dir: Path, key: str) -> tuple[Optional[float], Optional[s
     if not path.exists():
         return None, None  # an app that logs no metrics: a completed job without a value
     values, keys = [], set()
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a torn last line
+    for record in read_metrics(path):  # a torn last line skipped
         keys.update(record)
         if isinstance(record.get(key), (int, float)):
             values.append(float(record[key]))
