@@ -80,6 +80,26 @@ def optimizer_section(optimizer: OptimizerConfig) -> dict:
                                      "weight_decay": optimizer.weight_decay, **extra}}
 
 
+# The optimizer params torch's Adam/AdamW take as DeepSpeed writes them (FusedAdam-only keys such
+# as bias_correction keep DeepSpeed's op).
+TORCH_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad"}
+
+
+def prefer_torch_adam_on_cpu(ds: dict, device_type: str) -> None:
+    """On a CPU without optimizer offload, DeepSpeed's Adam/AdamW is its FusedAdam op: a C++
+    extension compiled on first use (over a minute on 2 cores) whose loading probes the CPU in a
+    subprocess on every start (~2 s a rank). torch's fused AdamW computes the same update at the
+    same speed on a CPU (benchmarks/bench_optimizer.py), so the CPU uses it. GPUs and CPU offload
+    (DeepSpeedCPUAdam, what offload=cpu means) keep DeepSpeed's ops; a JSON that says torch_adam wins."""
+    optimizer = ds.get("optimizer") or {}
+    params = optimizer.get("params") or {}
+    offloaded = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    if (device_type != "cpu" or offloaded or str(optimizer.get("type", "")).lower() not in ("adam", "adamw")
+            or "torch_adam" in params or not set(params) <= TORCH_ADAM_PARAMS):
+        return
+    optimizer["params"] = {**params, "torch_adam": True, "fused": True}
+
+
 def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> dict:
     """`schedule.warmup_steps` must be resolved (not null) by now."""
     # DeepSpeed's schedulers need at least one warmup step: no warmup = one "warmup" step at full lr.

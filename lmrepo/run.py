@@ -13,7 +13,7 @@ from lmrepo.config import TrainConfig, layout_check, load, to_dict
 from lmrepo.data.loader import Layout, LMData
 from lmrepo.data.prepare import prepare_sources
 from lmrepo.device import Device, choose_precision, detect_device
-from lmrepo.ds_config import batch_of, build_ds_config
+from lmrepo.ds_config import batch_of, build_ds_config, prefer_torch_adam_on_cpu
 from lmrepo.engines import build_engine
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.estimate import checkpointed_layers
@@ -56,6 +56,7 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
         user = UserConfig(config.deepspeed_config)
         ds_config, user_changed = lay_over(ds_config, user, config, dp_size)
         notes += [f"lmrepo: warning: deepspeed_config={user.path}: {line}" for line in user.warnings]
+    prefer_torch_adam_on_cpu(ds_config, device.type)
     check_deepspeed(ds_config, config.pipeline, device, user)
     return Plan(config, device, ds_config, user_changed, notes)
 

