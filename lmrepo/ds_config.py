@@ -80,8 +80,8 @@ def optimizer_section(optimizer: OptimizerConfig) -> dict:
                                      "weight_decay": optimizer.weight_decay, **extra}}
 
 
-# The optimizer params torch's Adam/AdamW take as DeepSpeed writes them (FusedAdam-only keys such
-# as bias_correction keep DeepSpeed's op).
+# The optimizer params torch's Adam/AdamW take as DeepSpeed writes them. FusedAdam's
+# bias_correction=true is what torch always does; other FusedAdam-only keys keep DeepSpeed's op.
 TORCH_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad"}
 
 
@@ -92,8 +92,10 @@ def prefer_torch_adam_on_cpu(ds: dict, device_type: str) -> None:
     same speed on a CPU (benchmarks/bench_optimizer.py), so the CPU uses it. GPUs and CPU offload
     (DeepSpeedCPUAdam, what offload=cpu means) keep DeepSpeed's ops; a JSON that says torch_adam wins."""
     optimizer = ds.get("optimizer") or {}
-    params = optimizer.get("params") or {}
+    params = dict(optimizer.get("params") or {})
     offloaded = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    if params.get("bias_correction", True) is True:
+        params.pop("bias_correction", None)
     if (device_type != "cpu" or offloaded or str(optimizer.get("type", "")).lower() not in ("adam", "adamw")
             or "torch_adam" in params or not set(params) <= TORCH_ADAM_PARAMS):
         return

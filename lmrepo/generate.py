@@ -191,11 +191,6 @@ def run(options: Options) -> dict:
     model, tokenizer, masked = load(model_dir, dtype)
     if world > 1:
         kernels = inference_plan(model, world, device_type)
-        if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Each rank gets its share of the cores: DeepSpeed's CPU all-reduce spins while it waits,
-            # and oversubscribed threads made a 2-rank BERT forward 70x slower here (6.7 s against 92 ms).
-            local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world)))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         import deepspeed
 
         from lmrepo.launch import init_distributed

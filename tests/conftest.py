@@ -108,16 +108,32 @@ def stop_with_signal(signum: int, overrides: list[str], run_dir: Path) -> tuple[
 
 @pytest.fixture(scope="session")
 def launch2(tmp_path_factory):
-    """Runs a 2-rank TINY job once per set of overrides for the whole session (the parity and
-    resume tests share them) and returns its run directory. Every run checkpoints at step 3."""
+    """Runs a 2-rank TINY job once per set of overrides for the whole session, across pytest-xdist
+    workers too (the parity, resume, pipeline and evaluation tests share them), and returns its
+    run directory. Every run checkpoints at step 3."""
     import functools
+    import hashlib
 
-    root = tmp_path_factory.mktemp("ranks2")
+    from filelock import FileLock
+
+    # xdist's workers each get their own basetemp inside the session's: its parent is shared.
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ranks2"
+    root.mkdir(exist_ok=True)
 
     @functools.cache
     def run(*overrides: str) -> Path:
-        run_dir = root / f"run{len(list(root.iterdir()))}"
-        assert_ok(run_train([*TINY, "trainer.save_every=3", *overrides], run_dir, ranks=2))
+        run_dir = root / hashlib.sha1("\0".join(overrides).encode()).hexdigest()[:12]
+        done, failed = run_dir.with_suffix(".done"), run_dir.with_suffix(".failed")
+        with FileLock(run_dir.with_suffix(".lock")):
+            if not done.exists() and not failed.exists():
+                proc = run_train([*TINY, "trainer.save_every=3", *overrides], run_dir, ranks=2)
+                try:
+                    assert_ok(proc)
+                    done.write_text(" ".join(overrides))
+                except AssertionError as err:
+                    failed.write_text(str(err))
+        assert not failed.exists(), failed.read_text()
         return run_dir
 
     return run

@@ -568,3 +568,26 @@ def test_a_warmup_the_user_sets_must_fit():
     assert load_config(["trainer.max_steps=10", "schedule.warmup_steps=9"]).schedule.warmup_steps == 9
     with pytest.raises(ConfigError, match=r"^schedule.warmup_steps=10 must be in \[0, trainer.max_steps=10\)"):
         load_config(["trainer.max_steps=10", "schedule.warmup_steps=10"])
+
+
+@pytest.mark.parametrize("user, device, torch_adam", [
+    (None, CPU, True),                                                          # lmrepo's AdamW on a CPU
+    (None, GPU, False),                                                         # GPUs keep FusedAdam
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "bias_correction": True}}}, CPU, True),  # torch's behaviour
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "bias_correction": False}}}, CPU, False),
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}, CPU, False),  # the JSON's word wins
+], ids=["cpu", "gpu", "bias_correction_true", "bias_correction_false", "json_says_no"])
+def test_cpu_adam_is_torchs_fused_adamw(tmp_path, user, device, torch_adam):
+    """DeepSpeed's FusedAdam would be compiled on a CPU's first run (a minute) and probe the CPU on
+    every start; torch's fused AdamW is the same update (benchmarks/bench_optimizer.py)."""
+    ds = ds_with_json(tmp_path, user, device=device)[0] if user else validate(compose_config([]), 1, device)[0]
+    params = ds["optimizer"]["params"]
+    assert (params.get("torch_adam") is True and params.get("fused") is True) == torch_adam, params
+    if torch_adam:
+        assert "bias_correction" not in params  # torch.optim.Adam takes no such keyword
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_offloaded_optimizer_keeps_deepspeeds_cpu_adam(offload):
+    ds = validate(compose_config(["zero=stage3", f"offload={offload}"]), 1, CPU)[0]
+    assert "torch_adam" not in ds["optimizer"]["params"]

@@ -146,3 +146,24 @@ def test_first_smoke_test_trains_with_the_defaults(tmp_path):
     for noise in ("Setting accelerator to CPU", "[INFO]", "get learning rate from scheduler", "built successfully",
                   "Generating train split"):
         assert noise not in out, noise
+
+
+@pytest.mark.parametrize("env, threads", [
+    ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, "half"),                          # deepspeed's launcher
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "half"),                    # torchrun, 2 nodes x 2
+    ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, "torch's"),  # the user's word wins
+    ({"WORLD_SIZE": "1"}, "torch's"),
+])
+def test_cpu_ranks_share_the_cores(env, threads):
+    """Ranks on one CPU split its cores (DeepSpeed's launcher gives each all of them; the
+    oversubscribed ranks spin in DeepSpeed's all-reduce)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from lmrepo.launch import share_cpu_cores; import torch; before = torch.get_num_threads(); "
+            "share_cpu_cores(); print(before, torch.get_num_threads())")
+    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    before, after = map(int, out.stdout.split()[-2:])
+    assert after == (max(1, os.cpu_count() // 2) if threads == "half" else before)

@@ -1,8 +1,13 @@
-"""Documents from each `data` option, as a `datasets.Dataset` with a `text` column."""
+"""Documents from each `data` option, as a `datasets.Dataset` with a `text` column.
+
+`datasets` is imported where documents are read: a run whose tokens are cached never needs it
+(half a second of every rank's start).
+"""
+from __future__ import annotations
+
 import glob
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from lmrepo.errors import ConfigError
 
@@ -41,12 +46,17 @@ def source_files(data) -> list[str]:
 
 # A document of text files is cut into pieces of about this many characters, so that no file,
 # however large, is held in memory whole (a piece is one row of the documents' Arrow file).
+if TYPE_CHECKING:
+    import datasets
+
 PIECE_CHARS = 256 << 10
 
 
 def load_documents(data, workdir: Path) -> datasets.Dataset:
     """The documents, one per row. Text files (shakespeare, text) are streamed into Arrow files
     under `workdir` in pieces (`start`/`end` columns mark a document's first and last piece)."""
+    import datasets
+
     files = source_files(data)
     if data.source in ("shakespeare", "text"):
         for f in files:
@@ -117,6 +127,8 @@ def check_utf8(path: str) -> None:
 
 
 def load_hub_dataset(data) -> datasets.Dataset:
+    import datasets
+
     try:
         docs = datasets.load_dataset(data.name, data.config, split=data.split)
     except Exception as err:  # offline: ConnectionError, OfflineModeIsEnabled, DatasetNotFoundError, ...

@@ -16,9 +16,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 from filelock import FileLock
 from tokenizers import Tokenizer
 
@@ -119,6 +117,8 @@ def build(data, tokenizer, out: Path) -> None:
 def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
     """Writes train.bin and val.bin into `directory`; returns their metadata. `name` (the token
     directory's, which carries the fingerprint) spares datasets from hashing the tokenizer."""
+    import pyarrow.compute as pc
+
     work = directory / "work"
     docs = load_documents(data, work)
     sep = separator_id(tokenizer)
@@ -131,7 +131,7 @@ def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
         backend.no_padding()
         backend.no_truncation()
     tokens = docs.map(encode, batched=True, batch_size=batch_rows(docs), fn_kwargs={"backend": backend, "sep": sep},
-                      remove_columns=docs.column_names, features=ENCODED, writer_batch_size=1,
+                      remove_columns=docs.column_names, features=encoded_features(), writer_batch_size=1,
                       num_proc=min(data.num_proc, len(docs)) if len(docs) > 1 else None,
                       cache_file_name=str(work / "tokens.arrow"), new_fingerprint=name, desc="tokenizing")
     total = pc.sum(pc.list_value_length(tokens.data.column("ids"))).as_py() or 0
@@ -146,9 +146,13 @@ def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
             "val_tokens": n_val, "source": data.source}
 
 
-# One row per batch: its ids, and how many documents they hold (an empty document adds no EOS).
-# uint32 here; write_stream checks each id against the token file's dtype.
-ENCODED = datasets.Features({"ids": datasets.List(datasets.Value("uint32")), "documents": datasets.Value("int64")})
+def encoded_features():
+    """One row per batch: its ids, and how many documents they hold (an empty document adds no EOS).
+    uint32 here; write_stream checks each id against the token file's dtype. (datasets and pyarrow
+    are imported only to tokenize: a run whose tokens are cached starts half a second sooner.)"""
+    import datasets
+
+    return datasets.Features({"ids": datasets.List(datasets.Value("uint32")), "documents": datasets.Value("int64")})
 
 
 def encode(batch: dict, backend: Tokenizer, sep: int) -> dict:
@@ -172,6 +176,8 @@ def encode(batch: dict, backend: Tokenizer, sep: int) -> dict:
 def batch_rows(docs) -> int:
     """Rows per tokenizer call for about BATCH_CHARS of text, from the mean row size (the text
     column's offsets: nothing is read)."""
+    import pyarrow.compute as pc
+
     size = pc.sum(pc.binary_length(docs.data.column("text"))).as_py() or 0
     return int(np.clip(BATCH_CHARS * len(docs) // max(size, 1), 1, 1000))
 
@@ -179,6 +185,8 @@ def batch_rows(docs) -> int:
 def write_stream(tokens, directory: Path, dtype, n_train: int, n_val: int, tokenizer_name: str) -> None:
     """Streams the tokenized batches into train.bin then val.bin, one batch (an Arrow array
     memory-mapped from disk) at a time."""
+    import pyarrow.compute as pc
+
     train = np.memmap(directory / "train.bin", dtype=dtype, mode="w+", shape=(n_train,))
     val = np.memmap(directory / "val.bin", dtype=dtype, mode="w+", shape=(n_val,))
     limit = np.iinfo(dtype).max

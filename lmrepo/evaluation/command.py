@@ -117,13 +117,6 @@ def load_source(located: Path) -> Source:
                   run_dir / "eval" / f"{whole.tag_dir.name}.json", run_dir, whole.step)
 
 
-def share_cores() -> None:
-    """Each CPU rank takes its share of the cores: oversubscribed threads slow every rank down."""
-    if launch.world_size() > 1 and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", launch.world_size())))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-
-
 def evaluate(options: Options) -> tuple[dict | None, Source, float]:
     """(the harness's results on rank 0 or None, the source, seconds of evaluation)."""
     from lmrepo.evaluation import run_tasks
@@ -135,7 +128,6 @@ def evaluate(options: Options) -> tuple[dict | None, Source, float]:
     tasks.load()  # unknown names and unreachable data stop here, before the model is read
     source = load_source(located)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-    share_cores()
     if launch.world_size() > 1:
         launch.init_distributed()
     lm = LmrepoLM(source.model.to(device).eval(), source.tokenizer, options.batch_size, device, show_progress=True)
