@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +211,7 @@ class Resume:
     dp_size: int
     partitioned: bool   # ZeRO (or bf16) optimizer state cut per data-parallel rank
     universal: bool = False
+    ds_config: dict = field(default_factory=dict)  # the DeepSpeed dict it was written with (empty: a torch pipeline's)
 
 
 def find(resume: str | None, checkpoint_dir: Path) -> tuple[Path, str] | None:
@@ -326,7 +327,8 @@ def inspect(directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: i
         raise ConfigError(f"checkpoint {tag_dir} was saved with another pipeline layout ({differs}): resume with the "
                           "same pipeline settings, or export it (scripts/export_hf.py) and start from model.pretrained")
     partitioned = any(tag_dir.glob("*zero_pp_rank_*"))
-    return Resume(directory, tag, int(states["step"]), int(states["consumed"]), int(states["dp_size"]), partitioned)
+    return Resume(directory, tag, int(states["step"]), int(states["consumed"]), int(states["dp_size"]), partitioned,
+                  ds_config=states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {})
 
 
 def prepare_universal(resume: Resume, dp_size: int) -> Resume:
@@ -348,8 +350,7 @@ def prepare_universal(resume: Resume, dp_size: int) -> Resume:
                 raise ConfigError(f"converting {source} for {dp_size} data-parallel ranks (it was saved on "
                                   f"{resume.dp_size}) failed: {last_line}")
             (target / "done").write_text("")
-    return Resume(resume.directory, target.name, resume.step, resume.consumed, resume.dp_size, resume.partitioned,
-                  universal=True)
+    return replace(resume, tag=target.name, universal=True)
 
 
 # --- loading (every rank, after the engine is built) ---------------------------------------

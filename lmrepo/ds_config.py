@@ -91,15 +91,38 @@ def prefer_torch_adam_on_cpu(ds: dict, device_type: str) -> None:
     subprocess on every start (~2 s a rank). torch's fused AdamW computes the same update at the
     same speed on a CPU (benchmarks/bench_optimizer.py), so the CPU uses it. GPUs and CPU offload
     (DeepSpeedCPUAdam, what offload=cpu means) keep DeepSpeed's ops; a JSON that says torch_adam wins."""
-    optimizer = ds.get("optimizer") or {}
-    params = dict(optimizer.get("params") or {})
-    offloaded = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    params = _adam_params(ds) if device_type == "cpu" else None
+    if params is None or "torch_adam" in params:
+        return
     if params.get("bias_correction", True) is True:
         params.pop("bias_correction", None)
-    if (device_type != "cpu" or offloaded or str(optimizer.get("type", "")).lower() not in ("adam", "adamw")
-            or "torch_adam" in params or not set(params) <= TORCH_ADAM_PARAMS):
-        return
-    optimizer["params"] = {**params, "torch_adam": True, "fused": True}
+    if set(params) <= TORCH_ADAM_PARAMS:
+        params.update(torch_adam=True, fused=True)
+
+
+def _adam_params(ds: dict) -> dict | None:
+    """The optimizer params of a non-offloaded Adam/AdamW section, or None."""
+    optimizer = ds.get("optimizer") or {}
+    offloaded = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    if offloaded or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return None
+    return optimizer.setdefault("params", {})
+
+
+def continue_with_saved_adam(ds: dict, saved: dict) -> str | None:
+    """A resumed run keeps the Adam its checkpoint was written by (`saved`: that run's DeepSpeed
+    dict): DeepSpeed's FusedAdam counts steps per parameter group, torch's per parameter, so the
+    other one would read step 0 and restart Adam's bias correction (measured: the loss 0.3% off two
+    steps after the resume). Returns the line to say, or None when nothing changes."""
+    ours, theirs = _adam_params(ds), _adam_params(dict(saved))
+    if ours is None or theirs is None or bool(ours.get("torch_adam")) == bool(theirs.get("torch_adam")):
+        return None
+    if theirs.get("torch_adam"):
+        ours.update(torch_adam=True, fused=bool(theirs.get("fused")))
+        return "lmrepo: resuming with torch's AdamW, which wrote the checkpoint's optimizer state"
+    ours.pop("torch_adam", None)
+    ours.pop("fused", None)
+    return "lmrepo: resuming with DeepSpeed's FusedAdam, which wrote the checkpoint's optimizer state"
 
 
 def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> dict:

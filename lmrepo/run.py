@@ -13,7 +13,7 @@ from lmrepo.config import TrainConfig, layout_check, load, to_dict
 from lmrepo.data.loader import Layout, LMData
 from lmrepo.data.prepare import prepare_sources
 from lmrepo.device import Device, choose_precision, detect_device
-from lmrepo.ds_config import batch_of, build_ds_config, prefer_torch_adam_on_cpu
+from lmrepo.ds_config import batch_of, build_ds_config, continue_with_saved_adam, prefer_torch_adam_on_cpu
 from lmrepo.engines import build_engine
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.estimate import checkpointed_layers
@@ -82,6 +82,7 @@ def prepare_job(cfg: DictConfig, run_dir: Path):
                               f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
                               "checkpoint conversion is not supported for pipelines here)")
         resume = checkpoint.prepare_universal(resume, dp_size)
+        job.notes += [line for line in [continue_with_saved_adam(ds_config, resume.ds_config)] if line]
     data_sources = prepare_sources(config.data, tokenizer)
     return job, tokenizer, data_sources, resume
 

@@ -1,6 +1,7 @@
 """Checkpoints that never lose work, on real 2-rank CPU runs: resumed equals uninterrupted,
 kill -9 during a save keeps a loadable `latest`, SIGTERM saves and stops, a different
 data-parallel size resumes through the universal format, export to Hugging Face."""
+import json
 import os
 import shutil
 import signal
@@ -70,6 +71,20 @@ def test_sigterm_saves_and_stops_then_auto_resume_continues(tmp_path):
     assert_ok(resumed)
     steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
     assert steps == list(range(1, stopped_at + 3)), "no step replayed or skipped"
+
+
+def test_a_checkpoint_resumes_with_the_adam_that_wrote_it(tmp_path):
+    """A CPU checkpoint written by DeepSpeed's FusedAdam (lmrepo before it chose torch's fused
+    AdamW on a CPU, or a JSON's torch_adam: false) continues with FusedAdam: torch's would read
+    step 0 from its state and restart the bias correction (the loss was 0.3% off by step 5)."""
+    fused = tmp_path / "fused.json"
+    fused.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}))
+    written = tmp_path / "fused"
+    assert_ok(run_train([*TINY, "trainer.save_every=3", f"deepspeed_config={fused}"], written))
+    resumed = run_train([*TINY, f"run.resume={written / FIRST}"], tmp_path / "resumed")
+    assert_ok(resumed)
+    assert "resuming with DeepSpeed's FusedAdam" in resumed.stdout
+    assert trajectory(tmp_path / "resumed") == trajectory(written, after=3)
 
 
 def test_kill_9_during_saves_keeps_latest_loadable(tmp_path):

@@ -591,3 +591,21 @@ def test_cpu_adam_is_torchs_fused_adamw(tmp_path, user, device, torch_adam):
 def test_offloaded_optimizer_keeps_deepspeeds_cpu_adam(offload):
     ds = validate(compose_config(["zero=stage3", f"offload={offload}"]), 1, CPU)[0]
     assert "torch_adam" not in ds["optimizer"]["params"]
+
+
+@pytest.mark.parametrize("saved_torch, ours_torch", [(True, False), (False, True), (True, True), (False, False)])
+def test_resume_keeps_the_adam_that_wrote_the_checkpoint(saved_torch, ours_torch):
+    """FusedAdam counts Adam's step per parameter group, torch per parameter: a checkpoint continues
+    with the implementation that wrote it (a CPU run's checkpoint moved to a GPU, or the reverse)."""
+    from lmrepo.ds_config import continue_with_saved_adam
+
+    def ds(torch_adam: bool) -> dict:
+        extra = {"torch_adam": True, "fused": True} if torch_adam else {}
+        return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, **extra}}, "zero_optimization": {"stage": 0}}
+
+    ours = ds(ours_torch)
+    line = continue_with_saved_adam(ours, ds(saved_torch))
+    assert bool(ours["optimizer"]["params"].get("torch_adam")) == saved_torch
+    assert (line is not None) == (saved_torch != ours_torch)
+    offloaded = {**ds(False), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert continue_with_saved_adam(ds(True), offloaded) is None  # DeepSpeedCPUAdam: the user's offload choice
