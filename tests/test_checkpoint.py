@@ -12,8 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import DEEPSPEED, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, stop_with_signal, \
-    wait_for
+from conftest import BF16, DEEPSPEED, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, \
+    stop_with_signal, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -31,9 +31,9 @@ def trajectory(run_dir: Path, after: int = 0) -> list[tuple]:
 @pytest.mark.parametrize("overrides", [
     ("zero=stage0", "precision=fp32"),
     ("zero=stage2", "precision=fp32", "offload=cpu"),
-    ("zero=stage2", "precision=bf16", "trainer.grad_accum=2"),
-    ("zero=stage3", "precision=bf16"),
-], ids=lambda o: "-".join(v.split("=")[1] for v in o))
+    ("zero=stage2", *BF16, "trainer.grad_accum=2"),
+    ("zero=stage3", *BF16),
+], ids=lambda o: "-".join(v.split("=")[1] for v in o if not v.startswith("trainer.micro")))
 def test_resumed_run_equals_uninterrupted(launch2, overrides):
     uninterrupted = launch2(*overrides)
     resumed = launch2(*overrides, f"run.resume={uninterrupted / FIRST}")

@@ -10,7 +10,7 @@ checkpointing mode must give the same training loss. Tolerances:
 """
 import pytest
 
-from conftest import read_metrics, train_losses
+from conftest import BF16, read_metrics, train_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -32,8 +32,8 @@ def test_zero_stages_agree_fp32(launch2, stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_agree_bf16(launch2, stage):
-    reference = train_losses(launch2("zero=stage0", "precision=bf16"))
-    assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=bf16")), reference, BF16_TOL)
+    reference = train_losses(launch2("zero=stage0", *BF16))
+    assert_close(train_losses(launch2(f"zero=stage{stage}", *BF16)), reference, BF16_TOL)
 
 
 def test_loss_falls_and_only_rank0_writes(launch2):
