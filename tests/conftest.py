@@ -28,22 +28,25 @@ PYTHON = sys.executable
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 
 
-def build_ops_without_debug_info() -> None:
-    """DeepSpeed's ops JIT-built by this session's runs (shm all-reduce, CPU Adam, async I/O)
-    compile without debug information: the same code in half the compile time (see the script).
-    They go to a directory of their own: ninja rebuilds an op whose compile command changed, so
-    sharing train.py's would rebuild them back and forth. A CXX the user set is kept."""
-    if "CXX" in os.environ:
-        return
+def pin_op_builds() -> None:
+    """Where and how this session's runs JIT-build DeepSpeed's ops (shm all-reduce, CPU Adam,
+    async I/O), fixed once in the environment every run inherits, also runs given another HOME
+    (rebuilding under it would add a minute to every process). Unless the user set CXX: without
+    debug information, the same code in half the compile time (see the script), in a directory of
+    its own, since ninja rebuilds an op whose compile command changed and sharing train.py's would
+    rebuild them back and forth."""
     from torch.utils.cpp_extension import _get_build_directory
 
     # torch's answer for where this machine's ops are built (a py/accelerator-suffixed dir under HOME)
-    default = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"{default}-without-debug-info")
-    os.environ["CXX"] = str(REPO / "tests" / "tools" / "g++-without-debug-info")
+    ops_dir = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent
+    if "CXX" not in os.environ:
+        os.environ["CXX"] = str(REPO / "tests" / "tools" / "g++-without-debug-info")
+        if "TORCH_EXTENSIONS_DIR" not in os.environ:
+            ops_dir = Path(f"{ops_dir}-without-debug-info")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(ops_dir)
 
 
-build_ops_without_debug_info()
+pin_op_builds()
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
         "trainer.micro_batch_size=4", "trainer.max_steps=6", "schedule.warmup_steps=1",
@@ -163,12 +166,8 @@ def launch2(tmp_path_factory):
 
 def env_without_wandb_key(home: Path) -> dict:
     """The environment of a user with no W&B key: no WANDB_* variables and a HOME without
-    ~/.netrc. DeepSpeed's compiled ops stay where they are (they live under HOME by default):
-    rebuilding them would add a minute to every process."""
-    from torch.utils.cpp_extension import _get_build_directory
-
+    ~/.netrc. DeepSpeed's compiled ops stay where they are (pin_op_builds)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["TORCH_EXTENSIONS_DIR"] = str(Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent)
     env["HOME"] = str(home)
     return env
 

@@ -33,7 +33,7 @@ def trajectory(run_dir: Path, after: int = 0) -> list[tuple]:
     ("zero=stage2", "precision=fp32", "offload=cpu"),
     ("zero=stage2", *BF16, "trainer.grad_accum=2"),
     ("zero=stage3", *BF16),
-], ids=lambda o: "-".join(v.split("=")[1] for v in o if not v.startswith("trainer.micro")))
+], ids=["stage0-fp32", "stage2-fp32-cpu", "stage2-bf16-2", "stage3-bf16"])
 def test_resumed_run_equals_uninterrupted(launch2, overrides):
     uninterrupted = launch2(*overrides)
     resumed = launch2(*overrides, f"run.resume={uninterrupted / FIRST}")
