@@ -6,6 +6,7 @@ tokenized once.
 """
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -47,6 +48,29 @@ def pin_op_builds() -> None:
 
 
 pin_op_builds()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-report", metavar="FILE",
+                     help="append one line per test to FILE: CPU seconds (its own and its processes'), wall seconds, test id")
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and of every child process it (or they) waited for."""
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """--cpu-report: where the suite's time goes. The suite is CPU-bound, and with two workers on
+    two cores a test's wall time also counts the other worker's load; its CPU seconds include the
+    runs it launched (every rank, the launcher, their JIT builds). Fixture setup is charged to the
+    first test that uses it."""
+    start_cpu, start = cpu_seconds(), time.time()
+    yield
+    if report := item.config.getoption("cpu_report"):
+        with open(report, "a") as f:  # one short appended line per test: whole even with two workers
+            f.write(f"{cpu_seconds() - start_cpu:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
         "trainer.micro_batch_size=4", "trainer.max_steps=6", "schedule.warmup_steps=1",
