@@ -168,7 +168,7 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         started = time.perf_counter()
         self.pending, sync_s = save(self.engine, self.directory, state, self.config, self.tokenizer_size)
-        if self.on_saved is not None:
+        if self.on_saved is not None:  # rank 0's: the other ranks must not list the directory while it writes the manifest
             self.on_saved(state.step, time.perf_counter() - started, sync_s, size_gb(self.directory / self.pending))
 
     def confirm(self) -> None:

@@ -18,10 +18,12 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def exit_error(message: str, code: int = 2) -> NoReturn:
-    """One `lmrepo: error:` line on stderr (rank 0 only: every rank reaches the same verdict), then exit."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"lmrepo: error: {message}", file=sys.stderr, flush=True)
+def exit_error(message: str, code: int = 2, every_rank: bool = False) -> NoReturn:
+    """One `lmrepo: error:` line on stderr (rank 0 only: every rank reaches the same verdict), then
+    exit. `every_rank`: a verdict one rank may reach alone (its own disk), said by that rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or every_rank:
+        print(f"lmrepo: error: {f'rank {rank}: ' if rank else ''}{message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 

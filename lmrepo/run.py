@@ -163,8 +163,7 @@ def train(cfg: DictConfig) -> dict:
     watchdog = Watchdog(run_dir, dist.get_rank(), dist.get_world_size(), config.run.hang_timeout_s, hung)
 
     def saved(step: int, seconds: float, sync_s: float, size_gb: float) -> None:
-        if rank0:
-            sinks.log({"step": step, "checkpoint_save_s": seconds, "checkpoint_sync_s": sync_s, "checkpoint_gb": size_gb})
+        sinks.log({"step": step, "checkpoint_save_s": seconds, "checkpoint_sync_s": sync_s, "checkpoint_gb": size_gb})
 
     sinks = None
     try:
@@ -187,7 +186,7 @@ def train(cfg: DictConfig) -> dict:
                 sinks.log({"step": state.step, "checkpoint_load_s": load_seconds})
         fp16 = ds_config.get("fp16", {})
         checkpoints = checkpoint.Checkpointer(engine, checkpoint_dir, plain_config, len(tokenizer), config.trainer.keep_last,
-                                              on_saved=saved)
+                                              on_saved=saved if rank0 else None)
         last, stopped = fit(engine, data, config.trainer, throughput_of(config, ds_config, job.device), sinks, state, checkpoints,
                             checkpoint_requests, rank0, watchdog.beat,
                             min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None,

@@ -3,6 +3,7 @@ two runs into one run.dir, checkpoints damaged on disk, a pickle with a payload,
 step, a rank stopped with SIGSTOP, the Slurm pre-emption signal, full disks and unwritable
 directories. Each fault is one `lmrepo: error:` line (or the run's own failure status), nothing
 written or deleted beyond what lmrepo created."""
+import errno
 import json
 import os
 import pickle
@@ -235,6 +236,21 @@ def test_a_full_disk_at_save_keeps_the_last_checkpoint(small_disk, tmp_path):
     assert proc.returncode == 1 and "no space left on device" in one_error_line(proc)
     assert "saving checkpoint" in one_error_line(proc)
     assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == [], "no half checkpoint"
+
+
+def test_a_disk_error_one_rank_meets_alone_is_said_by_that_rank(monkeypatch, capsys):
+    """A file error on rank 1 only (its disk, or a race on a shared directory) ended that rank
+    without a word: rank 0 could only report the peer gone. Now the rank says it."""
+    from lmrepo.config.messages import one_line_config_errors
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # restored afterwards: one_line_config_errors sets it
+    with pytest.raises(SystemExit) as exit_, one_line_config_errors():
+        raise OSError(errno.ENOENT, "No such file or directory", "/runs/a/checkpoints/step_00000003/manifest.json.tmp")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("lmrepo: error: rank 1: no such file or directory (/runs/a/checkpoints/"
+                                       "step_00000003/manifest.json.tmp): choose a writable run directory with room "
+                                       "(hydra.run.dir=...)\n")
 
 
 @pytest.mark.parametrize("where", ["cache", "run"])

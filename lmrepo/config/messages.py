@@ -88,9 +88,10 @@ def one_line_config_errors():
         yield
     except Exception as err:
         line = None if user_wants_traceback else describe_hydra_error(err)
-        if line is None and not user_wants_traceback and (reason := disk_error(err)) is not None:
-            # Hydra creating the run directory, or the run writing into it: a disk or a permission
-            line = f"{reason}: choose a writable run directory with room (hydra.run.dir=...)"
-        if line is None:
-            raise
-        exit_error(line)
+        if line is not None:
+            exit_error(line)
+        if not user_wants_traceback and (reason := disk_error(err)) is not None:
+            # Hydra creating the run directory, or the run writing into it: a disk or a permission,
+            # which one rank can meet alone, so that rank says it
+            exit_error(f"{reason}: choose a writable run directory with room (hydra.run.dir=...)", every_rank=True)
+        raise
