@@ -89,9 +89,11 @@ def file_record(path: Path) -> tuple[int, str]:
     return path.stat().st_size, digest
 
 
-def write_manifest(tag_dir: Path) -> None:
+def write_manifest(tag_dir: Path) -> int:
     """Every rank records (and syncs) its share of the files; rank 0 writes them all down. After
-    this, a file that differs from its record in size or content is detected before loading."""
+    this, a file that differs from its record in size or content is detected before loading.
+    Returns the checkpoint's bytes, from the records (no rank lists the directory again while rank
+    0 renames the manifest into it)."""
     files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {str(p.relative_to(tag_dir)): file_record(p) for p in files[rank::world]}
@@ -101,12 +103,14 @@ def write_manifest(tag_dir: Path) -> None:
         records = {name: record for share in shares for name, record in share.items()}
         write_durably(tag_dir / MANIFEST, json.dumps({"files": records}, indent=1, sort_keys=True))
         fsync_dir(tag_dir)
+    return sum(size for share in shares for size, _ in share.values())
 
 
-def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int) -> tuple[str, float]:
+def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict,
+         tokenizer_size: int) -> tuple[str, float, int]:
     """Every rank writes its files of checkpoint step_N, synced and recorded in its manifest;
-    nothing names it yet (promote). Returns the tag and the seconds the manifest took (fsync and
-    checksums: the price of durability, logged as checkpoint_sync_s)."""
+    nothing names it yet (promote). Returns the tag, the seconds the manifest took (fsync and
+    checksums: the price of durability, logged as checkpoint_sync_s) and the checkpoint's bytes."""
     tag = tag_for(state.step)
     client_state = {"step": state.step, "consumed": state.consumed, "dp_size": engine.dp_size,
                     "config": config, "tokenizer_size": tokenizer_size}
@@ -118,7 +122,7 @@ def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, 
         torch.save(rng_state(), checkpoint_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
         dist.barrier()  # every rank's files are complete before they are recorded and `latest` may name them
         synced = time.perf_counter()
-        write_manifest(checkpoint_dir / tag)
+        size = write_manifest(checkpoint_dir / tag)
         sync_s = time.perf_counter() - synced
     except Exception as err:
         if (reason := disk_error(err) or write_failure(err, checkpoint_dir)) is None:
@@ -128,7 +132,7 @@ def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, 
         kept = f"{latest.read_text().strip()} is intact" if latest.is_file() else "there is no earlier checkpoint"
         raise TrainingError(f"saving checkpoint {checkpoint_dir / tag} failed: {reason}; {kept}: free space, then "
                             "resume with run.resume=auto") from None
-    return tag, sync_s
+    return tag, sync_s, size
 
 
 def write_failure(err: BaseException, directory: Path) -> str | None:
@@ -167,9 +171,9 @@ class Checkpointer:
 
     def save(self, state: TrainState) -> None:
         started = time.perf_counter()
-        self.pending, sync_s = save(self.engine, self.directory, state, self.config, self.tokenizer_size)
-        if self.on_saved is not None:  # rank 0's: the other ranks must not list the directory while it writes the manifest
-            self.on_saved(state.step, time.perf_counter() - started, sync_s, size_gb(self.directory / self.pending))
+        self.pending, sync_s, size = save(self.engine, self.directory, state, self.config, self.tokenizer_size)
+        if self.on_saved is not None:
+            self.on_saved(state.step, time.perf_counter() - started, sync_s, size / 2**30)
 
     def confirm(self) -> None:
         """The weights of the checkpoint on probation gave a finite loss."""
@@ -183,10 +187,6 @@ class Checkpointer:
             if dist.get_rank() == 0:
                 shutil.rmtree(self.directory / self.pending, ignore_errors=True)
             self.pending = None
-
-
-def size_gb(tag_dir: Path) -> float:
-    return sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file()) / 2**30
 
 
 def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:

@@ -66,11 +66,13 @@ def pytest_runtest_protocol(item, nextitem):
     two cores a test's wall time also counts the other worker's load; its CPU seconds include the
     runs it launched (every rank, the launcher, their JIT builds). Fixture setup is charged to the
     first test that uses it."""
+    if not (report := item.config.getoption("cpu_report")):
+        yield
+        return
     start_cpu, start = cpu_seconds(), time.time()
     yield
-    if report := item.config.getoption("cpu_report"):
-        with open(report, "a") as f:  # one short appended line per test: whole even with two workers
-            f.write(f"{cpu_seconds() - start_cpu:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
+    with open(report, "a") as f:  # one short appended line per test: whole even with two workers
+        f.write(f"{cpu_seconds() - start_cpu:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
         "trainer.micro_batch_size=4", "trainer.max_steps=6", "schedule.warmup_steps=1",

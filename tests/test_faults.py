@@ -244,7 +244,7 @@ def test_a_disk_error_one_rank_meets_alone_is_said_by_that_rank(monkeypatch, cap
     from lmrepo.config.messages import one_line_config_errors
 
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # restored afterwards: one_line_config_errors sets it
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "")  # unset again afterwards: one_line_config_errors sets it
     with pytest.raises(SystemExit) as exit_, one_line_config_errors():
         raise OSError(errno.ENOENT, "No such file or directory", "/runs/a/checkpoints/step_00000003/manifest.json.tmp")
     assert exit_.value.code == 2
