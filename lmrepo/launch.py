@@ -95,9 +95,11 @@ def init_distributed(timeout_s: float = 0) -> None:
     import torch.distributed.distributed_c10d as c10d
     from deepspeed.accelerator import get_accelerator
 
+    from lmrepo import cpuinfo_cache
     from lmrepo.quiet import quiet_prints
 
     ensure_single_process_env()
+    cpuinfo_cache.install()  # before DeepSpeed loads its CPU ops, each of which asks what the CPU is
     if get_accelerator().device_name() == "cpu":
         share_cpu_cores()
     kwargs = {}
