@@ -10,4 +10,4 @@ train: setup
 	$(PY) train.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests $(ARGS)
