@@ -19,10 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
-
-# What hides native bf16 from torch: oneDNN's kernels and ATen's dispatch capped at AVX2.
-NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+from common import NO_BF16, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
 
 
 def run(out: Path, name: str, precision: str, steps: int, env: dict) -> dict:

@@ -36,6 +36,9 @@ DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or 
 
 from lmrepo.data.loader import Layout, LMData  # noqa: E402  (after the path above)
 
+# What hides native bf16 from torch, as on an AMD Zen 3: oneDNN's kernels and ATen's dispatch capped at AVX2.
+NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
 
 # ---- the machine ----
 

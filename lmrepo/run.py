@@ -8,7 +8,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from transformers import set_seed
 
-from lmrepo import checkpoint, launch
+from lmrepo import checkpoint, cpu_malloc, launch
 from lmrepo.config import TrainConfig, layout_check, load, to_dict
 from lmrepo.data.loader import Layout, LMData
 from lmrepo.data.prepare import prepare_sources
@@ -134,6 +134,8 @@ def train(cfg: DictConfig) -> dict:
         refuse(str(err), run_dir)
     config, ds_config = job.config, job.ds_config
 
+    if job.device.type == "cpu" and config.run.cpu_keep_freed_memory:
+        cpu_malloc.keep_freed_memory()
     checkpoint_requests = StopRequest()  # before the process group: a signal during start-up still counts
     launch.init_distributed(config.run.hang_timeout_s)
     atexit.register(launch.release_shm_buffer)  # also after a failure; only kill -9 escapes it

@@ -44,6 +44,8 @@ class RunConfig:
     """null | auto (continue from run.dir's latest checkpoint) | PATH of a run, its checkpoints/ or a checkpoint"""
     hang_timeout_s: int = 600
     """seconds a collective waits for a stalled or dead peer before every rank stops (a rank stuck elsewhere: twice that); 0 = DeepSpeed's default, no watchdog"""
+    cpu_keep_freed_memory: bool = True
+    """on a CPU, glibc keeps freed memory for the next step instead of returning it to the OS (the default job 1.5-1.7x faster, +27% peak memory: benchmarks/bench_malloc.py); false = glibc's own thresholds"""
 
     def check(self) -> None:
         require(self.hang_timeout_s >= 0, f"run.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0 = off)")
