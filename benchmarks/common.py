@@ -35,6 +35,7 @@ if str(REPO) not in sys.path:  # lmrepo and hydra_plugins/ (conf/train.yaml name
 DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
 
 from lmrepo.data.loader import Layout, LMData  # noqa: E402  (after the path above)
+from lmrepo.device import isolate_compile_cache  # noqa: E402
 
 # What hides native bf16 from torch, as on an AMD Zen 3: oneDNN's kernels and ATen's dispatch capped at AVX2.
 NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
@@ -130,6 +131,7 @@ class BareArms:
         for arm in arms:
             self.engines[arm] = build(spec)
             if arm == "compiled":
+                isolate_compile_cache()
                 self.engines[arm].compile()
         self.times = {arm: [] for arm in arms}
         self.losses = {arm: [] for arm in arms}

@@ -28,14 +28,16 @@ def user_chose_allocator(env=os.environ) -> bool:
             or any(name in env.get("GLIBC_TUNABLES", "") for name in THRESHOLD_TUNABLES))
 
 
-def keep_freed_memory() -> bool:
-    """Sets glibc's thresholds; True when they were set (False: not glibc, or the user's choice)."""
-    if user_chose_allocator():
-        return False
+def is_glibc() -> bool:
     try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return False
-        libc = ctypes.CDLL("libc.so.6")
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
     except (ValueError, OSError, AttributeError):  # not glibc (macOS, musl)
         return False
+
+
+def keep_freed_memory() -> bool:
+    """Sets glibc's thresholds; True when they were set (False: not glibc, or the user's choice)."""
+    if user_chose_allocator() or not is_glibc():
+        return False
+    libc = ctypes.CDLL("libc.so.6")
     return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))

@@ -56,6 +56,22 @@ def cpu_native_bf16() -> bool:
     return True
 
 
+def isolate_compile_cache() -> None:
+    """Before torch.compile: under a capped CPU ISA (ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA set,
+    e.g. to see a CPU without native bf16) inductor gets a cache of its own, unless the user chose
+    one (TORCHINDUCTOR_CACHE_DIR). Its cache does not key what it compiled by ATen's capability: a
+    graph compiled at the machine's own ISA, reused under `ATEN_CPU_CAPABILITY=avx2`, aborted in
+    its kernel ("index out of bounds", then "terminate called recursively"; torch 2.13.0), where a
+    fresh cache under the cap runs. Inductor reads the variable at each compile, and writes its
+    default there when its config is imported (transformers does): that value is not a choice."""
+    caps = [os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]
+    if any(caps):
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = "-".join([default_cache_dir(), *(c.lower() for c in caps if c)])
+
+
 def cpu_description() -> str:
     features = [name for name, present in (("AMX", torch.cpu._is_amx_tile_supported()),
                                            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if present]

@@ -47,21 +47,6 @@ def pin_op_builds() -> None:
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ops_dir)
 
 
-def pin_compile_cache() -> None:
-    """torch.compile's cache (inductor's, in /tmp) does not key what it compiled by ATen's CPU
-    capability: a graph compiled at the machine's own ISA and reused under
-    `ATEN_CPU_CAPABILITY=avx2` (how README measures the suite without native bf16) aborted in
-    its kernel ("index out of bounds", then "terminate called recursively"). Seen with
-    torch 2.13.0; a fresh cache under the cap runs. So a session under a capped ISA gets a cache of
-    its own, unless the user chose one."""
-    caps = [os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]
-    if any(caps) and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        suffix = "-".join(c.lower() for c in caps if c)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{suffix}"
-
-
 def wait_passively_for_openmp_work() -> None:
     """`make test` runs two test files at once on as many cores, and a single-process run takes a
     thread per core: libgomp's idle threads spin between parallel regions (with OMP_WAIT_POLICY
@@ -72,7 +57,6 @@ def wait_passively_for_openmp_work() -> None:
 
 
 pin_op_builds()
-pin_compile_cache()
 wait_passively_for_openmp_work()
 
 

@@ -549,6 +549,26 @@ def test_bf16_without_native_bf16_runs_and_warns_with_the_measured_cost():
     assert "in fp32 (measured now); precision=auto would train in fp32" in job.notes[0]
 
 
+def test_a_capped_cpu_isa_compiles_into_a_cache_of_its_own(monkeypatch):
+    from lmrepo.device import isolate_compile_cache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    isolate_compile_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ, "uncapped: inductor's own default"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    isolate_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-avx2-avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor's import writes
+    isolate_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-avx2-avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    isolate_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine", "the user's choice stands"
+
+
 def test_explicit_precisions_print_nothing():
     assert plan(compose_config(["precision=fp32"]), 1, CPU).notes == []
     assert plan(compose_config(["precision=bf16"]), 1, CPU).notes == []

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from transformers.integrations import HfDeepSpeedConfig
 
 from lmrepo.config import CheckpointingConfig, ModelConfig
+from lmrepo.device import isolate_compile_cache
 from lmrepo.engines.base import to_device
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
@@ -125,6 +126,7 @@ def build(model_cfg: ModelConfig, checkpointing: CheckpointingConfig, ds_config:
     enable_activation_checkpointing(model, checkpointing, ds_config)
     engine = DeepSpeedEngine(initialize(model, ds_config, mpu=tensor_parallel_groups(ds_config)))
     if compile:
+        isolate_compile_cache()
         engine.ds.compile()  # in place: parameter names, hence checkpoints, are unchanged
     engine.zero3_hf_config = zero3  # keep alive for the engine's lifetime
     return engine
