@@ -64,17 +64,15 @@ wait_passively_for_openmp_work()
 # measured with --cpu-report (README: Tests). `make test` hands whole files to its two workers in
 # collection order (--dist loadfile --no-loadscope-reorder): long files first, the short in-process
 # ones last, so both workers finish together instead of one running a long file alone at the end.
-# Only the order changes; a file missing here runs after these, and NVME_TESTS after everything
-# (see async_io_built_in_idle_time).
+# Only the order changes; a file missing here runs after these.
 HEAVIEST_FIRST = ("test_distributed.py", "test_ds_configs.py", "test_checkpoint.py", "test_sweep.py",
                   "test_evaluate.py", "test_faults.py", "test_pipeline.py", "test_train.py", "test_bench.py",
                   "test_pipelining.py", "test_generate.py", "test_tp.py", "test_search.py", "test_compare.py")
-NVME_TESTS = "test_nvme_offload.py"
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)} | {NVME_TESTS: len(HEAVIEST_FIRST) + 1}
-    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVIEST_FIRST)))  # stable: the rest keep their order
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def pytest_addoption(parser):
@@ -142,28 +140,6 @@ def token_cache(tmp_path_factory):
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return Path(cache)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def async_io_built_in_idle_time(request, token_cache, tmp_path_factory):
-    """DeepSpeed's async_io op (offload=nvme) takes ~200 CPU-s to build on a fresh machine, and the
-    suite leaves ~8% of its two cores idle: ranks waiting for each other, the `deepspeed`
-    launcher's one-second polls, grace periods. When NVME_TESTS is in the session, one worker
-    builds the op from the start at the lowest CPU priority (nice 19), so the build runs in that
-    idle time; NVME_TESTS runs last, and a rank that loads the op before the build is done waits
-    for it (torch's build lock). The same builder, flags and directory as the ranks': they load
-    what was built. The worker waits for the build before it ends, so no build is left half done."""
-    needed = any(item.path.name == NVME_TESTS for item in request.session.items)
-    if not needed or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
-        yield
-        return
-    build = ("from lmrepo import cpuinfo_cache; cpuinfo_cache.install()\n"  # as in the ranks (lmrepo.launch)
-             "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()")
-    with open(shared_temp(tmp_path_factory) / "async_io_build.log", "w") as log:
-        proc = subprocess.Popen([PYTHON, "-c", build], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                preexec_fn=lambda: os.nice(19))
-    yield
-    proc.wait()
 
 
 def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int = 900,

@@ -51,6 +51,14 @@ def test_cpu_offload_matches_no_offload(launch2):
         assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=fp32", "offload=cpu")), reference, FP32_TOL)
 
 
+def test_nvme_offload_matches_no_offload(launch2, tmp_path):
+    # 3 steps, no checkpoint: every step through libaio is slow on this machine's disk.
+    reference = train_losses(launch2("zero=stage3", "precision=fp32"))[:3]
+    nvme = train_losses(launch2("zero=stage3", "precision=fp32", "offload=nvme", f"offload.nvme_path={tmp_path}",
+                                "trainer.max_steps=3", "trainer.save_every=0"))
+    assert_close(nvme, reference, FP32_TOL)
+
+
 @pytest.mark.parametrize("mode", ["full", "every_n"])
 def test_activation_checkpointing_matches_none(launch2, mode):
     reference = train_losses(launch2("zero=stage0", "precision=fp32"))
