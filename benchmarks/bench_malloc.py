@@ -10,33 +10,15 @@ builds kernels). Per process, from the kernel: system CPU seconds (page faults a
 peak resident memory. Prints a table per CPU mode and the ratios keep / glibc.
 """
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import NO_BF16, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
-
-TOKENS_PER_STEP = 8 * 128  # the default job: micro batch 8, 128-token blocks, one rank
+from common import DEFAULT_JOB_TOKENS_PER_STEP as TOKENS_PER_STEP, NO_BF16, time_default_job  # benchmarks/common.py
 
 
 def run(run_dir: Path, keep: bool, steps: int, env: dict) -> dict:
-    cmd = [sys.executable, str(REPO / "train.py"), f"run.cpu_keep_freed_memory={str(keep).lower()}",
-           f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
-           "logger=jsonl", f"hydra.run.dir={run_dir}"]
-    with open(run_dir.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=run_dir.parent, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"{run_dir.name} failed: see {run_dir.with_suffix('.log')}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [m for m in lines if "loss" in m][2:]
-    return {"step_s": statistics.median(TOKENS_PER_STEP / m["tokens_per_s"] for m in logged),
-            "sys_s": usage.ru_stime, "user_s": usage.ru_utime, "peak_gb": usage.ru_maxrss / 2**20,
-            "loss": logged[-1]["loss"]}
+    return time_default_job(run_dir, [f"run.cpu_keep_freed_memory={str(keep).lower()}"], steps, env, untimed=2)
 
 
 def main() -> None:

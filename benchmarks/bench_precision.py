@@ -9,32 +9,20 @@ Each arm is `python train.py` (the default job: gpt2-tiny, 128-token blocks, mic
 mode: the precision auto chose, step time and tokens/s of each arm, and their ratio.
 """
 import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
-from common import NO_BF16, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import DEFAULT_JOB_TOKENS_PER_STEP, NO_BF16, time_default_job  # benchmarks/common.py, first on sys.path: puts the repository on it
 
 
 def run(out: Path, name: str, precision: str, steps: int, env: dict) -> dict:
     run_dir = out / name
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"precision={precision}", f"trainer.max_steps={steps}",
-                           "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1", "logger=jsonl",
-                           f"hydra.run.dir={run_dir}"], cwd=out, env={**os.environ, **env}, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-2000:]}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps_logged = [m for m in lines if "loss" in m][1:]  # the first step builds kernels
+    result = time_default_job(run_dir, [f"precision={precision}"], steps, env, untimed=1)
     chosen = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
-    tokens_per_step = 8 * 128
-    step_s = statistics.median(tokens_per_step / m["tokens_per_s"] for m in steps_logged)
-    return {"precision": chosen["precision"]["dtype"], "step_s": step_s, "tokens_per_s": tokens_per_step / step_s}
+    return {"precision": chosen["precision"]["dtype"], "step_s": result["step_s"],
+            "tokens_per_s": DEFAULT_JOB_TOKENS_PER_STEP / result["step_s"]}
 
 
 def main() -> None:
