@@ -216,8 +216,9 @@ def small_disk(tmp_path):
     """A 2 MB tmpfs: a disk that fills up (mounting needs root, which CI has)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if mounted.returncode:  # mount's own words: not root, or root without CAP_SYS_ADMIN (a container)
+        pytest.skip(f"mounting a small tmpfs needs root with CAP_SYS_ADMIN: {(mounted.stderr.strip().splitlines() or [''])[0]}")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 
