@@ -18,12 +18,23 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# How long the other ranks give rank 0 to say a verdict they all reached (see exit_error).
+RANK0_GRACE_S = 5.0
+
+
 def exit_error(message: str, code: int = 2, every_rank: bool = False) -> NoReturn:
     """One `lmrepo: error:` line on stderr (rank 0 only: every rank reaches the same verdict), then
-    exit. `every_rank`: a verdict one rank may reach alone (its own disk), said by that rank."""
+    exit. `every_rank`: a verdict one rank may reach alone (its own disk), said by that rank.
+    The other ranks wait a little first: DeepSpeed's launcher and torchrun end every rank once one
+    exits, and a rank 0 a second behind (two jobs on two cores) was ended before it said why.
+    Rank 0's exit ends their wait."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or every_rank:
         print(f"lmrepo: error: {f'rank {rank}: ' if rank else ''}{message}", file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(RANK0_GRACE_S)
     raise SystemExit(code)
 
 

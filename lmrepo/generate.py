@@ -10,7 +10,6 @@ refused is checked before the process group starts.
 """
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from filelock import FileLock
 
 from lmrepo import checkpoint, launch
-from lmrepo.errors import ConfigError
+from lmrepo.errors import ConfigError, exit_error
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIMED_FORWARDS = 5  # fill-mask: one forward is too short to time alone
@@ -106,6 +105,11 @@ def inference_plan(model, world: int, device_type: str) -> bool:
     kernels = AutoTP.kernel_supported(AutoTP.get_module_list(model))
     if kernels and device_type == "cuda":
         return True
+    if device_type == "cpu" and launch.local_size() != world:
+        # Its all-reduce runs DeepSpeed's shared-memory kernel unchecked, and that kernel has no
+        # buffer unless every rank shares the node: SIGSEGV on every rank (DeepSpeed 0.19.8).
+        raise ConfigError(f"{world} ranks over several nodes: DeepSpeed-Inference on CPU ranks runs on one node only "
+                          f"(this one has {launch.local_size() or 'an unknown number of'} of them): launch every rank on one node")
     refusal = autotp_refusal(model)
     if refusal is not None:
         why = ("DeepSpeed's inference kernels for it run on GPUs only (the cpu accelerator has no kernel injection)"
@@ -214,9 +218,7 @@ def main(argv: list[str]) -> None:
         options = parse_args(argv)
         result = run(options)
     except ConfigError as err:
-        if rank0:
-            print(f"lmrepo: error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        exit_error(str(err))
     if rank0:
         report(result, result["world"])
         if options.json:

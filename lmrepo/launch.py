@@ -56,6 +56,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_size() -> int:
+    """How many ranks share this node, as the launcher said: LOCAL_SIZE (DeepSpeed's launcher) or
+    LOCAL_WORLD_SIZE (torchrun; submitit under Slurm); 0 when neither did."""
+    return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "0")))
+
+
 def adopt_slurm_env() -> None:
     """A job started by Slurm (hydra/launcher=slurm, or srun) has SLURM_PROCID / SLURM_NTASKS per
     task but no RANK: submitit derives RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT from them."""
@@ -99,6 +105,11 @@ def init_distributed(timeout_s: float = 0) -> None:
     from lmrepo.quiet import quiet_prints
 
     ensure_single_process_env()
+    # DeepSpeed's CPU all-reduce (its shm comm op) reads LOCAL_SIZE, which only DeepSpeed's own
+    # launcher sets: under torchrun or Slurm it stayed off, and DeepSpeed-Inference's all-reduce
+    # then ran on its uninitialised buffer (SIGSEGV on every rank; DeepSpeed 0.19.8).
+    if local_size():
+        os.environ.setdefault("LOCAL_SIZE", str(local_size()))
     cpuinfo_cache.install()  # before DeepSpeed loads its CPU ops, each of which asks what the CPU is
     if get_accelerator().device_name() == "cpu":
         share_cpu_cores()
@@ -117,8 +128,7 @@ def share_cpu_cores() -> None:
     import torch
 
     if world_size() > 1 and "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world_size())))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_size() or world_size())))
 
 
 SHM_PREFIX = "deepspeed_allreduce_buffer_"
@@ -126,13 +136,14 @@ SHM_BYTES = 69_206_024  # DeepSpeed 0.19's allreduce_workspace: 2 x 1 MiB + 2 x 
 
 
 def prepare_shm() -> None:
-    """DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm when the deepspeed
-    launcher starts the ranks (LOCAL_SIZE set). Before it does: remove the buffers of this user
-    that no live process maps (a run killed with -9 leaves its own), and refuse a /dev/shm too
-    small for this node's ranks (Docker's default is 64 MiB): DeepSpeed would crash on it."""
-    local_size = int(os.environ.get("LOCAL_SIZE", "0"))
+    """DeepSpeed's CPU all-reduce maps a 66 MiB buffer per rank in /dev/shm when all the job's
+    ranks are on one node (LOCAL_SIZE = WORLD_SIZE; init_distributed sets LOCAL_SIZE under
+    torchrun and Slurm too). Before it does: remove the buffers of this user that no live process
+    maps (a run killed with -9 leaves its own), and refuse a /dev/shm too small for this node's
+    ranks (Docker's default is 64 MiB): DeepSpeed would crash on it."""
+    local = local_size()
     shm = Path("/dev/shm")
-    if not local_size or not shm.is_dir():
+    if local != world_size() or not shm.is_dir():
         return
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         mapped = mapped_shm_names()
@@ -148,10 +159,10 @@ def prepare_shm() -> None:
 
     free = shutil.disk_usage(shm).free
     mine = sum(1 for _ in shm.glob(f"{SHM_PREFIX}{os.getuid()}_*_{os.environ.get('MASTER_PORT')}_*"))
-    needed = SHM_BYTES * (local_size - mine)
+    needed = SHM_BYTES * (local - mine)
     if free < needed:
         raise ConfigError(f"/dev/shm has {free / 2**20:.0f} MiB free; DeepSpeed's CPU all-reduce needs 66 MiB for each "
-                          f"of this node's {local_size} ranks: free it, or give the container more (docker run --shm-size=1g)")
+                          f"of this node's {local} ranks: free it, or give the container more (docker run --shm-size=1g)")
 
 
 def mapped_shm_names() -> set[str]:

@@ -199,7 +199,9 @@ def test_start_up_removes_only_the_shm_buffers_left_by_dead_runs(monkeypatch):
     for path in (left_over, being_created):
         path.write_bytes(b"\0" * 1024)
     os.utime(left_over, (time.time() - 3600, time.time() - 3600))
-    monkeypatch.setenv("LOCAL_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's word for it; DeepSpeed's launcher says LOCAL_SIZE
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     try:
         launch.prepare_shm()

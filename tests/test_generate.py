@@ -1,7 +1,8 @@
 """scripts/generate.py: greedy and seeded sampling from a short GPT-2 run (through the export),
-BERT fill-mask on 1 process against AutoTP over 2 ranks, and the refusals.
+BERT fill-mask on 1 process against AutoTP over 2 ranks (torchrun), and the refusals.
 
-Two 2-rank launches: the BERT fill-mask and the GPT-2 refusal (which stops before any process group).
+Three 2-rank launches: the BERT fill-mask, the GPT-2 refusal under DeepSpeed's launcher and ranks
+on two nodes (both stop before any process group).
 """
 import json
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEEPSPEED, PYTHON, REPO, TINY, assert_ok, free_port, run_train
+from conftest import REPO, TINY, TORCHRUN, assert_ok, free_port, launcher, run_train
 from lmrepo.device import detect_device
 from lmrepo.generate import main, parse_args, run
 from lmrepo.tokenizer import _package_dir
@@ -25,9 +26,8 @@ def gpt2_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def generate(args: list[str], cwd: Path, ranks: int = 0) -> subprocess.CompletedProcess:
-    launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [PYTHON]
-    return subprocess.run([*launcher, SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+def generate(args: list[str], cwd: Path, ranks: int = 0, via: str = "torchrun") -> subprocess.CompletedProcess:
+    return subprocess.run([*launcher(ranks, via), SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
 def test_greedy_and_seeded_sampling_are_deterministic(gpt2_run, tmp_path):
@@ -63,12 +63,26 @@ def test_bert_fill_mask_two_ranks_equal_one(tmp_path):
 
 @pytest.mark.distributed
 def test_refusals(gpt2_run, tmp_path, capsys):
-    proc = generate([f"run={gpt2_run}", "prompt=ROMEO:"], tmp_path, ranks=2)
+    proc = generate([f"run={gpt2_run}", "prompt=ROMEO:"], tmp_path, ranks=2, via="deepspeed")  # its exit code
     assert proc.returncode == 2
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "lmrepo: error:" in line]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert errors[0].startswith("lmrepo: error: 2 ranks: GPT2LMHeadModel cannot be split by DeepSpeed-Inference on "
                                 "this cpu device") and "AutoTP not supported for model" in errors[0]
+
+    # Ranks on two nodes (two torchrun agents on this machine): DeepSpeed-Inference's CPU all-reduce
+    # needs every rank on one node; without the refusal each rank died of SIGSEGV (DeepSpeed 0.19.8).
+    port = str(free_port())
+    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                               "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT, f"run={BERT_DIR}",
+                               "prompt=the [MASK] is dead."], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode != 0 and "SIGSEGV" not in output, output[-3000:]
+    errors = [line for output in outputs for line in output.splitlines() if line.startswith("lmrepo: error:")]
+    assert errors == ["lmrepo: error: 2 ranks over several nodes: DeepSpeed-Inference on CPU ranks runs on one node "
+                      "only (this one has 1 of them): launch every rank on one node"], outputs[0][-3000:]
 
     cases = {
         (f"run={BERT_DIR}", "prompt=no mask here"): "prompt has no [MASK]",
