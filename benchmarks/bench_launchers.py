@@ -1,0 +1,76 @@
+"""The same 2-rank run started by DeepSpeed's launcher and by torchrun, side by side in one run:
+what each launcher adds around the ranks, in wall time and CPU time.
+
+    python benchmarks/bench_launchers.py [--rounds 3] [--ranks 2] [--out DIR]
+
+Each arm is a tiny GPT-2 (2 layers, 64 wide, 32-token blocks, fp32, 6 steps) on --ranks CPU
+ranks; the arms alternate for --rounds rounds. Wall: from the launcher's start to its exit. CPU:
+the kernel's account of the launcher and every process it waited for (ranks included). DeepSpeed's
+runner and its launch.py each import all of DeepSpeed before a rank starts, and launch.py polls
+its ranks once a second; torchrun imports torch once and polls every 0.1 s. Under `deepspeed` the
+ranks also use DeepSpeed's shared-memory all-reduce (it sets LOCAL_SIZE), under torchrun gloo's.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import DEEPSPEED, REPO  # benchmarks/common.py
+
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32", "trainer.micro_batch_size=4",
+        "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2",
+        "logger=jsonl", "precision=fp32"]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def command(launcher: str, ranks: int) -> list[str]:
+    from lmrepo.launch import free_port
+
+    if launcher == "deepspeed":
+        return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    return [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+
+
+def run(launcher: str, ranks: int, run_dir: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one launch."""
+    cmd = [*command(launcher, ranks), str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}"]
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=run_dir.parent, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{launcher} failed: see {run_dir.with_suffix('.log')}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="lmrepo-bench-launchers-"))
+    out.mkdir(parents=True, exist_ok=True)
+    arms = {"deepspeed": [], "torchrun": []}
+    run("torchrun", args.ranks, out / "warmup")  # builds DeepSpeed's ops and tokenizes once, untimed
+    for r in range(args.rounds):
+        for launcher in (arms if r % 2 == 0 else reversed(arms)):
+            arms[launcher].append(run(launcher, args.ranks, out / f"{launcher}{r}"))
+    print(f"A {args.ranks}-rank TINY run (6 steps), {args.rounds} launches per launcher, alternating; medians.\n")
+    print("| launcher | wall s | CPU s |\n| --- | --- | --- |")
+    medians = {}
+    for launcher, runs in arms.items():
+        medians[launcher] = [statistics.median(x) for x in zip(*runs)]
+        print(f"| {launcher} | {medians[launcher][0]:.2f} | {medians[launcher][1]:.2f} |")
+    (ds_wall, ds_cpu), (tr_wall, tr_cpu) = medians["deepspeed"], medians["torchrun"]
+    print(f"\ndeepspeed / torchrun: wall {ds_wall / tr_wall:.2f}x (+{ds_wall - tr_wall:.2f} s), "
+          f"CPU {ds_cpu / tr_cpu:.2f}x (+{ds_cpu - tr_cpu:.2f} s) per launch")
+
+
+if __name__ == "__main__":
+    main()
