@@ -54,8 +54,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import common  # benchmarks/common.py: this script's folder is first on sys.path; it puts the repository next
-from common import DEEPSPEED, REPO
-from lmrepo.launch import free_port
+from common import REPO
+from lmrepo.launch import launch_command
 
 PYTHON = sys.executable
 
@@ -169,8 +169,7 @@ class Bench:
 
     def worker(self, kind: str, name: str, spec: Path, ranks: int = 0) -> tuple[object, str | None]:
         result = self.out / f"{name}.result.json"
-        launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks else [PYTHON]
-        error = run_logged([*launcher, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
+        error = run_logged([*launch_command(ranks), str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
                             "--result", str(result)], self.out / f"{name}.log", self.out, ranks=max(1, ranks))
         if error:
             return None, error

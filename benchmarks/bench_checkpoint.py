@@ -14,16 +14,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from common import DEEPSPEED, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
 from lmrepo.errors import exit_error
-from lmrepo.launch import free_port
+from lmrepo.launch import launch_command
 
 COMMON = ["trainer.micro_batch_size=1", "schedule.warmup_steps=0", "trainer.log_every=1", "trainer.eval_every=0",
           "trainer.eval_batches=1", "trainer.save_every=1", "logger=jsonl"]
 
 
 def launch(run_dir: Path, ranks: int, overrides: list[str]) -> dict:
-    proc = subprocess.run([DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "train.py"),
+    proc = subprocess.run([*launch_command(ranks), str(REPO / "train.py"),
                            *COMMON, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
                           cwd=run_dir.parent)
     if proc.returncode != 0:

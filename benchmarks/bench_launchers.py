@@ -7,44 +7,26 @@ Each arm is a tiny GPT-2 (2 layers, 64 wide, 32-token blocks, fp32, 6 steps) on 
 ranks; the arms alternate for --rounds rounds. Wall: from the launcher's start to its exit. CPU:
 the kernel's account of the launcher and every process it waited for (ranks included). DeepSpeed's
 runner and its launch.py each import all of DeepSpeed before a rank starts, and launch.py polls
-its ranks once a second; torchrun imports torch once and polls every 0.1 s. Under `deepspeed` the
-ranks also use DeepSpeed's shared-memory all-reduce (it sets LOCAL_SIZE), under torchrun gloo's.
+its ranks once a second; torchrun imports torch once and polls every 0.1 s. The ranks run alike
+under both (lmrepo.launch gives DeepSpeed's shared-memory all-reduce LOCAL_SIZE under torchrun).
 """
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import DEEPSPEED, REPO  # benchmarks/common.py
+from common import REPO, run_measured  # benchmarks/common.py
+from lmrepo.launch import launch_command
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32", "trainer.micro_batch_size=4",
         "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2",
         "logger=jsonl", "precision=fp32"]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-
-
-def command(launcher: str, ranks: int) -> list[str]:
-    from lmrepo.launch import free_port
-
-    if launcher == "deepspeed":
-        return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())]
-    return [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
 
 
 def run(launcher: str, ranks: int, run_dir: Path) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one launch."""
-    cmd = [*command(launcher, ranks), str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}"]
-    with open(run_dir.with_suffix(".log"), "w") as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=run_dir.parent, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{launcher} failed: see {run_dir.with_suffix('.log')}")
+    wall, usage = run_measured([*launch_command(ranks, launcher), str(REPO / "train.py"), *TINY,
+                                f"hydra.run.dir={run_dir}"], run_dir)
     return wall, usage.ru_utime + usage.ru_stime
 
 

@@ -33,7 +33,7 @@ import time
 import weakref
 from pathlib import Path
 
-from common import DEEPSPEED, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
 
 SCHEDULES = ["1f1b", "gpipe", "1f1b_torch", "interleaved"]
 MICRO_BATCHES, QUICK_MICRO_BATCHES = [2, 4, 8], [2, 4]
@@ -267,10 +267,10 @@ def main() -> None:
     if "RANK" in os.environ:
         run_worker(args, overrides)
         return
-    from lmrepo.launch import free_port
+    from lmrepo.launch import launch_command
 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__).resolve()), *sys.argv[1:]]
+    cmd = [*launch_command(2), str(Path(__file__).resolve()), *sys.argv[1:]]
     raise SystemExit(subprocess.run(cmd, cwd=REPO, env=env).returncode)
 
 

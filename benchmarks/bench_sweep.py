@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DEEPSPEED, REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
-from lmrepo.launch import free_port
+from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from lmrepo.launch import launch_command
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32", "trainer.micro_batch_size=4",
         "trainer.max_steps=6", "schedule.warmup_steps=1", "trainer.log_every=1", "trainer.eval_every=0",
@@ -29,7 +29,7 @@ def first_step_time(run_dir: Path) -> float:
 def direct_run(out: Path, ranks: int) -> float:
     run_dir = out / "direct"
     started = time.time()
-    subprocess.run([DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(REPO / "train.py"),
+    subprocess.run([*launch_command(ranks), str(REPO / "train.py"),
                     *TINY, "zero=stage1", f"hydra.run.dir={run_dir}"], check=True, capture_output=True, cwd=out)
     return first_step_time(run_dir) - started
 

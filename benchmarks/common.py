@@ -21,7 +21,6 @@ import gc
 import os
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # lmrepo and hydra_plugins/ (conf/train.yaml names its launcher) as train.py finds them
     sys.path.insert(1, str(REPO))
-DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
 
 from lmrepo.compare import read_metrics  # noqa: E402  (after the path above)
 from lmrepo.data.loader import Layout, LMData  # noqa: E402
@@ -48,18 +46,29 @@ NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 DEFAULT_JOB_TOKENS_PER_STEP = 8 * 128  # micro batch 8, 128-token blocks, one rank
 
 
+def run_measured(cmd: list[str], run_dir: Path, env: dict | None = None) -> tuple[float, "os.struct_rusage"]:
+    """Runs `cmd` for the run in `run_dir` (its output in run_dir.log); stops the benchmark if it
+    fails. Returns its wall seconds and the kernel's account of it and every process it waited
+    for (a launcher's ranks): CPU seconds, peak resident memory."""
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=run_dir.parent, env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{run_dir.name} failed: see {run_dir.with_suffix('.log')}")
+    return wall, usage
+
+
 def time_default_job(run_dir: Path, overrides: list[str], steps: int, env: dict, untimed: int) -> dict:
     """`python train.py` (the default job with `overrides`) for `steps` steps, each one logged, its
     output in run_dir.log. Returns the median step time over the logged steps after the first
     `untimed` (they build kernels), the last loss, and the kernel's account of the process: system
     and user CPU seconds, peak resident memory."""
-    cmd = [sys.executable, str(REPO / "train.py"), *overrides, f"trainer.max_steps={steps}", "trainer.log_every=1",
-           "trainer.eval_every=0", "trainer.eval_batches=1", "logger=jsonl", f"hydra.run.dir={run_dir}"]
-    with open(run_dir.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=run_dir.parent, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"{run_dir.name} failed: see {run_dir.with_suffix('.log')}")
+    _, usage = run_measured([sys.executable, str(REPO / "train.py"), *overrides, f"trainer.max_steps={steps}",
+                             "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1", "logger=jsonl",
+                             f"hydra.run.dir={run_dir}"], run_dir, env)
     logged = [m for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m][untimed:]
     return {"step_s": statistics.median(DEFAULT_JOB_TOKENS_PER_STEP / m["tokens_per_s"] for m in logged),
             "sys_s": usage.ru_stime, "user_s": usage.ru_utime, "peak_gb": usage.ru_maxrss / 2**20,

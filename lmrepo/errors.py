@@ -1,6 +1,7 @@
 """The exception types for what the user must change, and the one way such a mistake ends a command."""
 import os
 import sys
+import time
 from typing import NoReturn
 
 
@@ -32,8 +33,6 @@ def exit_error(message: str, code: int = 2, every_rank: bool = False) -> NoRetur
     if rank == 0 or every_rank:
         print(f"lmrepo: error: {f'rank {rank}: ' if rank else ''}{message}", file=sys.stderr, flush=True)
     else:
-        import time
-
         time.sleep(RANK0_GRACE_S)
     raise SystemExit(code)
 

@@ -82,6 +82,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_command(ranks: int, via: str = "deepspeed") -> list[str]:
+    """How a user starts a script on `ranks` ranks of this node, each launch on a free port:
+    `deepspeed --num_gpus N` or `torchrun --nproc-per-node N` (this interpreter's), plain
+    `python` for 0 ranks (one process, no launcher)."""
+    if not ranks:
+        return [sys.executable]
+    if via == "torchrun":
+        return [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+    return [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+
+
 def ensure_single_process_env() -> None:
     """A plain `python train.py` has no launcher: without these, deepspeed.init_distributed
     falls back to MPI discovery and dies on the missing mpi4py."""

@@ -16,7 +16,7 @@ import pytest
 
 from lmrepo.compose import compose_config  # noqa: F401  (tests import it from here)
 from lmrepo.device import Device
-from lmrepo.launch import free_port  # noqa: F401  (tests import it from here)
+from lmrepo.launch import free_port, launch_command  # noqa: F401  (tests import free_port from here)
 
 # Devices as DeepSpeed's accelerators describe them, for checks that depend on the hardware.
 CPU = Device("cpu", fp16=False, bf16=True, native_bf16=True, description="CPU (test)")
@@ -152,11 +152,7 @@ def launcher(ranks: int, via: str = "torchrun") -> list[str]:
     under torchrun against 8.9 s and 11.5 CPU-s under deepspeed, whose runner and launch.py each
     import all of DeepSpeed (1.45 s) and whose launch.py polls its ranks once a second
     (benchmarks/bench_launchers.py)."""
-    if not ranks:
-        return [PYTHON]
-    if via == "deepspeed":
-        return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())]
-    return [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+    return launch_command(ranks, via)
 
 
 def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int = 900,
