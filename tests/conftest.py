@@ -78,7 +78,8 @@ def pytest_collection_modifyitems(items):
 
 def pytest_addoption(parser):
     parser.addoption("--cpu-report", metavar="FILE",
-                     help="append one line per test to FILE: CPU seconds (its own and its processes'), wall seconds, test id")
+                     help="append one line per test to FILE: CPU seconds (its own and its processes'), wall seconds, "
+                          "test id, pytest-xdist worker, end time (Unix seconds)")
 
 
 def cpu_seconds() -> float:
@@ -97,8 +98,9 @@ def pytest_runtest_protocol(item, nextitem):
         return
     start_cpu, start = cpu_seconds(), time.time()
     yield
+    end, worker = time.time(), os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(report, "a") as f:  # one short appended line per test: whole even with two workers
-        f.write(f"{cpu_seconds() - start_cpu:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
+        f.write(f"{cpu_seconds() - start_cpu:.1f}\t{end - start:.1f}\t{item.nodeid}\t{worker}\t{end:.1f}\n")
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
         "trainer.micro_batch_size=4", "trainer.max_steps=6", "schedule.warmup_steps=1",
