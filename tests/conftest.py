@@ -33,16 +33,17 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 def pin_op_builds() -> None:
     """Where and how this session's runs JIT-build DeepSpeed's ops (shm all-reduce, CPU Adam,
     async I/O), fixed once in the environment every run inherits, also runs given another HOME
-    (rebuilding under it would add a minute to every process). Unless the user set CXX: without
-    debug information, the same code in half the compile time (see the script), in a directory of
-    its own, since ninja rebuilds an op whose compile command changed and sharing train.py's would
-    rebuild them back and forth."""
+    (rebuilding under it would add a minute to every process). Unless the user set CXX: the same
+    sources and flags without debug information and with torch's header parsed once per op (see
+    the script: async_io in 167 CPU-s against 232), in a directory of its own, since ninja
+    rebuilds an op whose compile command changed and sharing train.py's would rebuild them back
+    and forth."""
     from torch.utils.cpp_extension import _get_build_directory
 
     # torch's answer for where this machine's ops are built (a py/accelerator-suffixed dir under HOME)
     ops_dir = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent
     if "CXX" not in os.environ:
-        os.environ["CXX"] = str(REPO / "tests" / "tools" / "g++-without-debug-info")
+        os.environ["CXX"] = str(REPO / "tests" / "tools" / "g++-for-tests")
         if "TORCH_EXTENSIONS_DIR" not in os.environ:
             ops_dir = Path(f"{ops_dir}-without-debug-info")
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ops_dir)
