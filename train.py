@@ -19,7 +19,7 @@ from lmrepo import quiet
 from lmrepo.config import load, register
 from lmrepo.config.messages import one_line_config_errors
 from lmrepo.errors import ConfigError
-from lmrepo.launch import prepare_argv
+from lmrepo.launch import adopt_slurm_env, prepare_argv, world_size
 from lmrepo.rundir import refuse
 
 prepare_argv()     # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
@@ -41,11 +41,18 @@ def main(cfg: DictConfig) -> None:
     # later collection (with the ~7 MB of cycles the import left: collecting them costs 0.26 s).
     # Here, not at the top: a -m sweep's parent never reaches main() and runs for hours.
     gc.disable()
+    from lmrepo.plan import plan
+
+    adopt_slurm_env()  # RANK and WORLD_SIZE under srun, before the plan counts the ranks
+    try:
+        job = plan(cfg, world_size())  # against the device and the ranks, before transformers is imported
+    except ConfigError as err:
+        refuse(str(err), Path(cfg.run.dir))
     from lmrepo.run import train
     gc.freeze()
     gc.enable()
 
-    train(cfg)
+    train(cfg, job)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ with the seeds' bare loop as the common ruler:
 2. train.py against Hugging Face Trainer with the same DeepSpeed config: the Trainer's process
    steps the same bare loop after each of its steps (a callback); train.py / HF =
    (fit / bare) / (HF / bare).
-3. Model-state memory per rank for ZeRO stages 0-3 on 2 ranks (`deepspeed --num_gpus 2`): the
+3. Model-state memory per rank for ZeRO stages 0-3 on 2 ranks (`torchrun --nproc-per-node 2`): the
    bytes of the tensors each rank holds for parameters, gradients and optimizer states, against
    lmrepo.estimate's theoretical division.
 4. torch.compile through DeepSpeed's `engine.compile()` against eager: an eager and a compiled
@@ -169,8 +169,10 @@ class Bench:
 
     def worker(self, kind: str, name: str, spec: Path, ranks: int = 0) -> tuple[object, str | None]:
         result = self.out / f"{name}.result.json"
-        error = run_logged([*launch_command(ranks), str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
-                            "--result", str(result)], self.out / f"{name}.log", self.out, ranks=max(1, ranks))
+        # torchrun: what is measured is the ranks' tensors; DeepSpeed's launcher adds 3 s (bench_launchers.py)
+        error = run_logged([*launch_command(ranks, "torchrun"), str(Path(__file__).resolve()), "--worker", kind,
+                            "--spec", str(spec), "--result", str(result)], self.out / f"{name}.log", self.out,
+                           ranks=max(1, ranks))
         if error:
             return None, error
         if ranks:
@@ -198,7 +200,7 @@ class Bench:
         from lmrepo.data.prepare import prepare_sources
         from lmrepo.device import detect_device
         from lmrepo.errors import ConfigError, exit_error
-        from lmrepo.run import plan
+        from lmrepo.plan import plan
         from lmrepo.tokenizer import load_tokenizer
 
         try:
@@ -316,7 +318,7 @@ class Bench:
         from lmrepo.config import to_dict
         from lmrepo.errors import ConfigError
         from lmrepo.estimate import count_parameters, optimizer_group_sizes
-        from lmrepo.run import plan
+        from lmrepo.plan import plan
 
         models = [("bench model", [*self.job, *(QUICK_MEMORY if self.quick else [])])]
         if not self.quick:  # the job's other keys, the reference model's own shape

@@ -38,7 +38,7 @@ def precision(model: str, ranks: int) -> str:
     """What precision=auto trains in here."""
     from lmrepo.compose import compose_config
     from lmrepo.errors import ConfigError
-    from lmrepo.run import plan
+    from lmrepo.plan import plan
 
     try:
         return str(plan(compose_config([*COMMON, f"model={model}", "trainer.max_steps=1"]), ranks).config.precision.dtype)

@@ -171,7 +171,7 @@ def supply_rate(token_dir: Path, tokenizer, steps: int = 300) -> float:
     """Tokens per second LMData.train_step hands to training from the token file (default layout)."""
     from lmrepo.data.loader import LMData
     from lmrepo.device import detect_device
-    from lmrepo.run import plan
+    from lmrepo.plan import plan
 
     job = plan(compose_config([]), 1, detect_device("cpu"))
     config = job.config
@@ -193,7 +193,7 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
     from lmrepo.engines import build_engine
     from lmrepo.engines.base import to_device
     from lmrepo.launch import init_distributed, release_shm_buffer
-    from lmrepo.run import plan
+    from lmrepo.plan import plan
 
     ds_logger.setLevel(logging.WARNING)
     job = plan(compose_config([*overrides, "logger=none"]), 1)

@@ -8,7 +8,7 @@ seed 001's theory, and activations held for backward per stage (GPipe against 1F
 One `deepspeed --num_gpus 2` launch; in it, for each schedule (pipeline=1f1b: DeepSpeed's
 PipelineEngine; gpipe, 1f1b_torch, interleaved: torch.distributed.pipelining via
 lmrepo.engines.torch_pipeline) and m = 2, 4, 8 micro-batches, an engine is built exactly as
-train.py builds it (lmrepo.run.plan -> lmrepo.engines.build_engine), fp32, on synthetic token blocks:
+train.py builds it (lmrepo.plan.plan -> lmrepo.engines.build_engine), fp32, on synthetic token blocks:
 
 - step: the median over timed steps of the slowest rank's train_batch wall time;
 - t_micro: forward + backward of one micro-batch through one rank's layers alone (no pipeline,
@@ -167,7 +167,7 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
     from lmrepo.engines import build_engine
     from lmrepo.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
     from lmrepo.engines.torch_pipeline import TorchPipelineEngine
-    from lmrepo.run import plan
+    from lmrepo.plan import plan
 
     job = plan(compose_config([*overrides, f"pipeline={schedule}", f"trainer.grad_accum={m}", "precision=fp32",
                                "trainer.device=cpu", "logger=none"]), dist.get_world_size(), detect_device("cpu"))

@@ -225,7 +225,7 @@ def fit_and_bare(spec: dict) -> dict:
     from lmrepo.loop import TrainState, fit
     from lmrepo.run import throughput_of
 
-    config = from_dict(TrainConfig, spec["config"])  # loaded and resolved (lmrepo.run.plan) by the orchestrator
+    config = from_dict(TrainConfig, spec["config"])  # loaded and resolved (lmrepo.plan.plan) by the orchestrator
     ds = spec["ds_config"]
     device = detect_device(config.trainer.device)
     init_distributed()

@@ -1,7 +1,6 @@
 """One training job: validate -> prepare data -> process group -> engine -> fit -> close."""
 import atexit
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -9,11 +8,10 @@ from omegaconf import DictConfig
 from transformers import set_seed
 
 from lmrepo import checkpoint, cpu_malloc, launch
-from lmrepo.config import TrainConfig, layout_check, load, to_dict
+from lmrepo.config import TrainConfig, to_dict
 from lmrepo.data.loader import Layout, LMData
 from lmrepo.data.prepare import prepare_sources
-from lmrepo.device import Device, choose_precision, detect_device
-from lmrepo.ds_config import batch_of, build_ds_config, continue_with_saved_adam, prefer_torch_adam_on_cpu
+from lmrepo.ds_config import batch_of, continue_with_saved_adam
 from lmrepo.engines import build_engine
 from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.estimate import checkpointed_layers
@@ -23,47 +21,16 @@ from lmrepo.loggers import build_sinks
 from lmrepo.loop import StopRequest, Throughput, TrainState, fit
 from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, peak_tflops
 from lmrepo.nvme import use_per_run_swap
-from lmrepo.preflight import check_deepspeed, check_tensor_parallel
+from lmrepo.plan import Plan
 from lmrepo.rundir import (check_unused, own, refuse, remove_if_empty, truncate_metrics, write_config_files,
                            write_status)
 from lmrepo.tokenizer import load_tokenizer
-from lmrepo.user_config import UserConfig, lay_over, redact
+from lmrepo.user_config import redact
 from lmrepo.watchdog import Watchdog
 
 
-@dataclass
-class Plan:
-    config: TrainConfig        # loaded, its autos resolved (precision, warmup)
-    device: Device
-    ds_config: dict            # the final DeepSpeed dict: lmrepo's with the user's JSON laid over it
-    user_changed: list[str]    # the keys the user's JSON changed
-    notes: list[str]           # what to say at start: the precision (auto's choice, or bf16's cost here), JSON deprecations
-
-
-def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan:
-    """The composed config checked and turned into the job's DeepSpeed dict, for `world_size`
-    ranks on `device` (default: the one trainer.device picks here): no files, no data, no
-    process group."""
-    config = load(cfg)
-    device = device or detect_device(config.trainer.device)
-    config.precision.dtype, precision_line = choose_precision(config.precision.dtype, device)
-    check_tensor_parallel(config.tp, config.model)
-    dp_size = layout_check(config, world_size)
-    config.eval.check(config.model.family, config.pipeline.schedule, dp_size)
-    ds_config, user_changed, user = build_ds_config(config, dp_size), [], None
-    notes = [precision_line] if precision_line else []
-    if config.deepspeed_config:
-        user = UserConfig(config.deepspeed_config)
-        ds_config, user_changed = lay_over(ds_config, user, config, dp_size)
-        notes += [f"lmrepo: warning: deepspeed_config={user.path}: {line}" for line in user.warnings]
-    prefer_torch_adam_on_cpu(ds_config, device.type)
-    check_deepspeed(ds_config, config.pipeline, device, user)
-    return Plan(config, device, ds_config, user_changed, notes)
-
-
-def prepare_job(cfg: DictConfig, run_dir: Path):
-    """Everything that can reject the job, before any process group starts."""
-    job = plan(cfg, launch.world_size())
+def prepare_job(job: Plan, run_dir: Path):
+    """Everything else that can reject the planned job, before any process group starts."""
     config, ds_config = job.config, job.ds_config
     try:
         tokenizer = load_tokenizer(config.model.tokenizer, config.model.pretrained)
@@ -119,13 +86,13 @@ def throughput_of(config: TrainConfig, ds_config: dict, device) -> Throughput:
         peak_tflops=peak_tflops(device_name(device.type), dtype, config.metrics.peak_tflops), device_type=device.type)
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, job: Plan) -> dict:
+    """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan)."""
     started = time.time()  # status.json's wall_s covers start-up too
-    launch.adopt_slurm_env()
     run_dir = Path(cfg.run.dir)
     rank0 = launch.rank() == 0
     try:
-        job, tokenizer, data_sources, resume = prepare_job(cfg, run_dir)
+        job, tokenizer, data_sources, resume = prepare_job(job, run_dir)
         tasks = downstream_tasks(job.config.eval.tasks)
         if job.device.type == "cpu":
             launch.prepare_shm()

@@ -246,7 +246,7 @@ def env_without_wandb_key(home: Path) -> dict:
 def validate(cfg, world: int, device: Device) -> tuple[dict, list[str]]:
     """train.py's checks of a composed config for `world` ranks on `device`: (DeepSpeed dict,
     keys the user's JSON changed), or a ConfigError."""
-    from lmrepo.run import plan
+    from lmrepo.plan import plan
 
     job = plan(cfg, world, device)
     return job.ds_config, job.user_changed

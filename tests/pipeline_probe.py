@@ -14,13 +14,14 @@ from lmrepo.data.loader import Layout, LMData
 from lmrepo.ds_config import batch_of
 from lmrepo.engines import build_engine
 from lmrepo.engines.base import pipeline_inputs
-from lmrepo.launch import init_distributed, prepare_argv
+from lmrepo.launch import init_distributed, prepare_argv, world_size
 from lmrepo.models import build_model
+from lmrepo.plan import plan
 from lmrepo.run import prepare_job
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    job, tokenizer, sources, _ = prepare_job(compose_config(overrides, run_dir=out), out)
+    job, tokenizer, sources, _ = prepare_job(plan(compose_config(overrides, run_dir=out), world_size()), out)
     cfg, ds = job.config, job.ds_config
     init_distributed()
     set_seed(cfg.trainer.seed)

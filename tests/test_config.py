@@ -12,7 +12,7 @@ from conftest import CONF, CPU, CPU_WITHOUT_BF16, GPU, compose_config, validate
 from lmrepo.compose import load_config
 from lmrepo.ds_config import resolve_batch
 from lmrepo.errors import ConfigError
-from lmrepo.run import plan
+from lmrepo.plan import plan
 
 MANDATORY = {"data=text": "data.paths", "data=json": "data.paths", "data=hf": "data.name", "data=mixture": "data.sources"}
 

@@ -1,0 +1,43 @@
+"""The job's plan: the composed config checked against the device and the world size, and
+turned into the DeepSpeed dict. No files, no data, no process group, and no transformers:
+train.py makes it before importing lmrepo.run, so a job refused here costs torch and DeepSpeed's
+accelerator alone (~2 s of imports, against ~4 s for all of training's)."""
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from lmrepo.config import TrainConfig, layout_check, load
+from lmrepo.device import Device, choose_precision, detect_device
+from lmrepo.ds_config import build_ds_config, prefer_torch_adam_on_cpu
+from lmrepo.preflight import check_deepspeed, check_tensor_parallel
+from lmrepo.user_config import UserConfig, lay_over
+
+
+@dataclass
+class Plan:
+    config: TrainConfig        # loaded, its autos resolved (precision, warmup)
+    device: Device
+    ds_config: dict            # the final DeepSpeed dict: lmrepo's with the user's JSON laid over it
+    user_changed: list[str]    # the keys the user's JSON changed
+    notes: list[str]           # what to say at start: the precision (auto's choice, or bf16's cost here), JSON deprecations
+
+
+def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan:
+    """The composed config checked and turned into the job's DeepSpeed dict, for `world_size`
+    ranks on `device` (default: the one trainer.device picks here): no files, no data, no
+    process group."""
+    config = load(cfg)
+    device = device or detect_device(config.trainer.device)
+    config.precision.dtype, precision_line = choose_precision(config.precision.dtype, device)
+    check_tensor_parallel(config.tp, config.model)
+    dp_size = layout_check(config, world_size)
+    config.eval.check(config.model.family, config.pipeline.schedule, dp_size)
+    ds_config, user_changed, user = build_ds_config(config, dp_size), [], None
+    notes = [precision_line] if precision_line else []
+    if config.deepspeed_config:
+        user = UserConfig(config.deepspeed_config)
+        ds_config, user_changed = lay_over(ds_config, user, config, dp_size)
+        notes += [f"lmrepo: warning: deepspeed_config={user.path}: {line}" for line in user.warnings]
+    prefer_torch_adam_on_cpu(ds_config, device.type)
+    check_deepspeed(ds_config, config.pipeline, device, user)
+    return Plan(config, device, ds_config, user_changed, notes)
