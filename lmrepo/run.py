@@ -30,7 +30,8 @@ from lmrepo.watchdog import Watchdog
 
 
 def prepare_job(job: Plan, run_dir: Path):
-    """Everything else that can reject the planned job, before any process group starts."""
+    """Everything else that can reject the planned job, before any process group starts: its
+    tokenizer, data sources and the checkpoint to resume (or None). May add to job.notes."""
     config, ds_config = job.config, job.ds_config
     try:
         tokenizer = load_tokenizer(config.model.tokenizer, config.model.pretrained)
@@ -51,7 +52,7 @@ def prepare_job(job: Plan, run_dir: Path):
         resume = checkpoint.prepare_universal(resume, dp_size)
         job.notes += [line for line in [continue_with_saved_adam(ds_config, resume.ds_config)] if line]
     data_sources = prepare_sources(config.data, tokenizer)
-    return job, tokenizer, data_sources, resume
+    return tokenizer, data_sources, resume
 
 
 def downstream_tasks(names: list[str]):
@@ -92,7 +93,7 @@ def train(cfg: DictConfig, job: Plan) -> dict:
     run_dir = Path(cfg.run.dir)
     rank0 = launch.rank() == 0
     try:
-        job, tokenizer, data_sources, resume = prepare_job(job, run_dir)
+        tokenizer, data_sources, resume = prepare_job(job, run_dir)
         tasks = downstream_tasks(job.config.eval.tasks)
         if job.device.type == "cpu":
             launch.prepare_shm()

@@ -26,7 +26,6 @@ GPU = Device("cuda", fp16=True, bf16=True, native_bf16=True, description="GPU (t
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 PYTHON = sys.executable
-DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
@@ -35,7 +34,7 @@ def pin_op_builds() -> None:
     async I/O), fixed once in the environment every run inherits, also runs given another HOME
     (rebuilding under it would add a minute to every process). Unless the user set CXX: the same
     sources and flags without debug information and with torch's header parsed once per op (see
-    the script: async_io in 167 CPU-s against 232), in a directory of its own, since ninja
+    the script: async_io in 165 CPU-s against 237, benchmarks/bench_op_build.py), in a directory of its own, since ninja
     rebuilds an op whose compile command changed and sharing train.py's would rebuild them back
     and forth."""
     from torch.utils.cpp_extension import _get_build_directory

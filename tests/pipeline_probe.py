@@ -21,7 +21,8 @@ from lmrepo.run import prepare_job
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    job, tokenizer, sources, _ = prepare_job(plan(compose_config(overrides, run_dir=out), world_size()), out)
+    job = plan(compose_config(overrides, run_dir=out), world_size())
+    tokenizer, sources, _ = prepare_job(job, out)
     cfg, ds = job.config, job.ds_config
     init_distributed()
     set_seed(cfg.trainer.seed)

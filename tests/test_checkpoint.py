@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import BF16, DEEPSPEED, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, \
+from conftest import BF16, PYTHON, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, \
     stop_with_signal, wait_for
 
 pytestmark = pytest.mark.distributed
@@ -115,7 +115,7 @@ def test_export_loads_in_transformers_with_the_runs_eval_loss(launch2, tmp_path,
 
     run_dir = launch2(f"zero=stage{stage}", "precision=fp32")
     out = tmp_path / "hf"
-    proc = subprocess.run([str(Path(DEEPSPEED).with_name("python")), str(REPO / "scripts" / "export_hf.py"),
+    proc = subprocess.run([PYTHON, str(REPO / "scripts" / "export_hf.py"),
                            str(run_dir), str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out).eval()
