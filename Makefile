@@ -1,8 +1,9 @@
 # The two commands of README.md: `make train` and `make test` (each sets up .venv first).
+# `make lint` and `make docs` are what CI runs before the tests.
 PY := .venv/bin/python
 ARGS ?=
 
-.PHONY: setup train test
+.PHONY: setup train test lint format docs
 setup:
 	bash scripts/setup.sh
 
@@ -11,3 +12,14 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests $(ARGS)
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: setup
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
+
+docs: setup
+	.venv/bin/mkdocs build --strict --site-dir site

@@ -1,13 +1,14 @@
 """Train GPT-2, BERT or Llama with DeepSpeed, every technique chosen by name through Hydra.
 
-    python train.py                                         # tiny GPT-2 on Shakespeare (CPU or 1 GPU)
-    python train.py trainer.max_steps=10                    # a smoke test
-    deepspeed --num_gpus 2 train.py zero=stage2             # 2 ranks (gloo on CPU, NCCL on GPUs)
-    deepspeed train.py zero=stage3 offload=nvme             # ZeRO-Infinity on every local GPU
-    python train.py model=bert-tiny precision=fp32          # masked-LM BERT
-    python train.py -m zero=stage0,stage1,stage2,stage3     # a sweep, one job per stage
-    python train.py --help                                  # every key of every group
+python train.py                                         # tiny GPT-2 on Shakespeare (CPU or 1 GPU)
+python train.py trainer.max_steps=10                    # a smoke test
+deepspeed --num_gpus 2 train.py zero=stage2             # 2 ranks (gloo on CPU, NCCL on GPUs)
+deepspeed train.py zero=stage3 offload=nvme             # ZeRO-Infinity on every local GPU
+python train.py model=bert-tiny precision=fp32          # masked-LM BERT
+python train.py -m zero=stage0,stage1,stage2,stage3     # a sweep, one job per stage
+python train.py --help                                  # every key of every group
 """
+
 import gc
 from pathlib import Path
 
@@ -22,9 +23,9 @@ from lmrepo.errors import ConfigError
 from lmrepo.launch import adopt_slurm_env, prepare_argv, world_size
 from lmrepo.rundir import refuse
 
-prepare_argv()     # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
-register()         # the typed schema conf/train.yaml composes over
-quiet.install()    # library notices that ask nothing of the user; hydra.verbose=true keeps them
+prepare_argv()  # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
+register()  # the typed schema conf/train.yaml composes over
+quiet.install()  # library notices that ask nothing of the user; hydra.verbose=true keeps them
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -49,6 +50,7 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         refuse(str(err), Path(cfg.run.dir))
     from lmrepo.run import train
+
     gc.freeze()
     gc.enable()
 

@@ -2,8 +2,8 @@
 markdown table of ratios (issue 7). Nothing here asserts a time: the ratios are printed next to
 the issue's targets.
 
-    python benchmarks/bench.py                   # the default job: gpt2-tiny, precision=auto, ZeRO-0, 1 rank (~10 min on 2 cores)
-    python benchmarks/bench.py --quick           # smoke run of every measurement: 2 x 64 model, fp32, 4 steps (~1 min)
+    python benchmarks/bench.py          # the default job: gpt2-tiny, precision=auto, ZeRO-0, 1 rank (~10 min, 2 cores)
+    python benchmarks/bench.py --quick  # smoke run of every measurement: 2 x 64 model, fp32, 4 steps (~1 min)
     python benchmarks/bench.py model.n_layer=8   # train.py's overrides choose the job (GPT-2 models)
 
 precision=auto trains in bf16 where the CPU computes it natively, else in fp32. --quick is a
@@ -40,6 +40,7 @@ stepped in the torch.compile process (one process start fewer).
 Medians of the steps after the first --warmup of each run. Results also go to <out>/results.md
 and results.json. Exit 0 when every measurement ran, 1 when one failed (its reason is printed).
 """
+
 import argparse
 import atexit
 import json
@@ -60,11 +61,22 @@ from lmrepo.launch import launch_command
 PYTHON = sys.executable
 
 # Every train.py run of the bench: metrics every step, no evaluation until the end, no checkpoints.
-BENCH_KEYS = ["logger=jsonl", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
-              "trainer.save_every=0"]
+BENCH_KEYS = [
+    "logger=jsonl",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "trainer.save_every=0",
+]
 # The smoke run: a tiny model in fp32 (a CPU without native bf16 computes bf16 matmuls ~70x slower).
-QUICK_JOB = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
-             "trainer.micro_batch_size=2", "precision=fp32"]
+QUICK_JOB = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.micro_batch_size=2",
+    "precision=fp32",
+]
 # The smoke run's memory table: the section checks mixed precision's 2+2+12 bytes per parameter, so
 # bf16, on 1 x 8 tokens per step (model states do not depend on the batch; a CPU without native
 # bf16 computes bf16 matmuls slowly).
@@ -90,13 +102,18 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
 
 # ---- worker side: one measurement in this process ----
 
+
 def run_worker(args: argparse.Namespace) -> None:
     from lmrepo.launch import release_shm_buffer
 
     atexit.register(release_shm_buffer)  # DeepSpeed's CPU all-reduce buffer in /dev/shm
     spec = json.loads(Path(args.spec).read_text())
-    workers = {"bare": common.bare_loop, "fit": common.fit_and_bare, "hf": common.hf_trainer,
-               "memory": common.model_state_memory}
+    workers = {
+        "bare": common.bare_loop,
+        "fit": common.fit_and_bare,
+        "hf": common.hf_trainer,
+        "memory": common.model_state_memory,
+    }
     result = workers[args.worker](spec)
     suffix = f".rank{os.environ['RANK']}" if args.worker == "memory" else ""
     Path(args.result + suffix).write_text(json.dumps(result))
@@ -104,14 +121,18 @@ def run_worker(args: argparse.Namespace) -> None:
 
 # ---- orchestrator side ----
 
+
 def child_env(ranks: int = 1) -> dict:
     """Every arm's process alike: no inherited rank variables (each single-rank process sets its own),
     the same thread count (accelerate would otherwise set OMP_NUM_THREADS in the HF arm only).
     Several ranks (the memory count, which times nothing) share the threads out."""
     import torch
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     if ranks > 1:
         env["OMP_NUM_THREADS"] = str(max(1, int(env["OMP_NUM_THREADS"]) // ranks))
@@ -123,8 +144,9 @@ def run_logged(cmd: list[str], log: Path, cwd: Path, timeout: int = 1800, ranks:
     """Runs cmd with its output in `log`. None when it succeeded, else the reason in one line."""
     with open(log, "w") as f:
         try:
-            proc = subprocess.run(cmd, cwd=cwd, env=child_env(ranks), stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
+            proc = subprocess.run(
+                cmd, cwd=cwd, env=child_env(ranks), stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout} s (log: {log})"
     if proc.returncode == 0:
@@ -155,24 +177,48 @@ class Bench:
         job = self.job if job is None else job
         cfg = compose_config([*job, *extra], run_dir=self.out / "unused")
         warmup = cfg.schedule.warmup_steps  # null: a share of the run, always valid
-        if warmup is not None and warmup >= self.steps:  # train.py requires warmup < max_steps; lr does not change speed
+        if (
+            warmup is not None and warmup >= self.steps
+        ):  # train.py requires warmup < max_steps; lr does not change speed
             job.append(f"schedule.warmup_steps={self.steps // 2}")
             return self.compose(extra, job)
         return cfg
 
     def spec(self, name: str, **fields) -> Path:
         path = self.out / f"{name}.spec.json"
-        path.write_text(json.dumps({"model": self.model, "sources": [[str(d), w] for d, w in self.sources],
-                                    "block_size": self.config.data.block_size, "seed": self.config.trainer.seed,
-                                    "steps": self.steps, "out_dir": str(self.out / name), **fields}))
+        path.write_text(
+            json.dumps(
+                {
+                    "model": self.model,
+                    "sources": [[str(d), w] for d, w in self.sources],
+                    "block_size": self.config.data.block_size,
+                    "seed": self.config.trainer.seed,
+                    "steps": self.steps,
+                    "out_dir": str(self.out / name),
+                    **fields,
+                }
+            )
+        )
         return path
 
     def worker(self, kind: str, name: str, spec: Path, ranks: int = 0) -> tuple[object, str | None]:
         result = self.out / f"{name}.result.json"
         # torchrun: what is measured is the ranks' tensors; DeepSpeed's launcher adds 3 s (bench_launchers.py)
-        error = run_logged([*launch_command(ranks, "torchrun"), str(Path(__file__).resolve()), "--worker", kind,
-                            "--spec", str(spec), "--result", str(result)], self.out / f"{name}.log", self.out,
-                           ranks=max(1, ranks))
+        error = run_logged(
+            [
+                *launch_command(ranks, "torchrun"),
+                str(Path(__file__).resolve()),
+                "--worker",
+                kind,
+                "--spec",
+                str(spec),
+                "--result",
+                str(result),
+            ],
+            self.out / f"{name}.log",
+            self.out,
+            ranks=max(1, ranks),
+        )
         if error:
             return None, error
         if ranks:
@@ -181,8 +227,9 @@ class Bench:
 
     def train_run(self, name: str) -> tuple[dict | None, str | None]:
         run_dir = self.out / name
-        error = run_logged([PYTHON, str(REPO / "train.py"), *self.job, f"hydra.run.dir={run_dir}"],
-                           self.out / f"{name}.log", self.out)
+        error = run_logged(
+            [PYTHON, str(REPO / "train.py"), *self.job, f"hydra.run.dir={run_dir}"], self.out / f"{name}.log", self.out
+        )
         if error:
             return None, error
         ds_config = json.loads((run_dir / "ds_config.json").read_text())
@@ -190,8 +237,12 @@ class Bench:
         steps = sorted((l for l in lines if "loss" in l), key=lambda l: l["step"])
         elapsed = [0.0] + [l["elapsed_s"] for l in steps]
         tokens_per_step = ds_config["train_batch_size"] * self.config.data.block_size
-        return {"times": [b - a for a, b in zip(elapsed, elapsed[1:])], "losses": [l["loss"] for l in steps],
-                "window_times": [tokens_per_step / l["tokens_per_s"] for l in steps], "ds_config": ds_config}, None
+        return {
+            "times": [b - a for a, b in zip(elapsed, elapsed[1:])],
+            "losses": [l["loss"] for l in steps],
+            "window_times": [tokens_per_step / l["tokens_per_s"] for l in steps],
+            "ds_config": ds_config,
+        }, None
 
     # ---- the measurements ----
 
@@ -210,19 +261,31 @@ class Bench:
         except ConfigError as err:
             exit_error(str(err))
         if self.config.model.family != "gpt2" or self.config.pipeline.schedule != "none":
-            exit_error("benchmarks/bench.py measures GPT-2 models without a pipeline: choose model=gpt2* and pipeline=none")
+            exit_error(
+                "benchmarks/bench.py measures GPT-2 models without a pipeline: choose model=gpt2* and pipeline=none"
+            )
         self.model = to_dict(self.config.model)
         tokenizer = load_tokenizer(self.config.model.tokenizer, self.config.model.pretrained)
         self.sources = prepare_sources(self.config.data, tokenizer)
-        results = {"machine": common.machine(), "job": self.job, "block_size": self.config.data.block_size,
-                   "steps": self.steps, "warmup": self.warmup,
-                   "rounds": self.rounds, "quick": self.quick, "out": str(self.out)}
-        log = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)
+        results = {
+            "machine": common.machine(),
+            "job": self.job,
+            "block_size": self.config.data.block_size,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "rounds": self.rounds,
+            "quick": self.quick,
+            "out": str(self.out),
+        }
+
+        def log(message: str) -> None:
+            print(f"bench: {message}", file=sys.stderr, flush=True)
 
         log(f"CPU matmul peak ({self.peak_size} x {self.peak_size}, {self.peak_seconds} s per dtype)")
         results["peak_size"] = self.peak_size
-        results["peak"] = {d: common.measure_cpu_peak_tflops(d, self.peak_seconds, self.peak_size)
-                           for d in ("bf16", "fp32")}
+        results["peak"] = {
+            d: common.measure_cpu_peak_tflops(d, self.peak_seconds, self.peak_size) for d in ("bf16", "fp32")
+        }
 
         # 1, 2: the runs, interleaved A B C D D C B A ... so drifting load reaches every arm
         arms = {"train": [], "bare": [], "fit": [], "hf": []}
@@ -245,12 +308,16 @@ class Bench:
                     bare = result["bare"]
                     result = {"times": bare["times"]["eager"], "losses": bare["losses"]["eager"]}
             elif arm == "fit":
-                result, error = self.worker("fit", name, self.spec(name, ds_config=ds_config, arms=["eager"],
-                                                                  config=to_dict(self.config)))
+                result, error = self.worker(
+                    "fit", name, self.spec(name, ds_config=ds_config, arms=["eager"], config=to_dict(self.config))
+                )
                 if result:
                     bare = result["bare"]
-                    result = {**result["fit"], "bare_times": bare["times"]["eager"],
-                              "bare_losses": bare["losses"]["eager"]}
+                    result = {
+                        **result["fit"],
+                        "bare_times": bare["times"]["eager"],
+                        "bare_losses": bare["losses"]["eager"],
+                    }
             else:
                 result, error = self.worker("hf", name, self.spec(name, ds_config=ds_config, arms=["eager"]))
                 if result:
@@ -269,8 +336,11 @@ class Bench:
             results["compile_error"] = "no ds_config.json: the train.py run failed"
         else:
             log("torch.compile vs eager" + (" (and the noise floor's twin engine)" if twin else ""))
-            result, error = self.worker("bare", "compile", self.spec("compile", ds_config=ds_config,
-                                                                     arms=["eager", "compiled", *twin], block=self.block))
+            result, error = self.worker(
+                "bare",
+                "compile",
+                self.spec("compile", ds_config=ds_config, arms=["eager", "compiled", *twin], block=self.block),
+            )
             results["compile"], results["compile_error"] = result and result["bare"], error
             if twin:
                 results["twins"], results["twins_error"] = result and result["bare"], error
@@ -280,7 +350,9 @@ class Bench:
         # The noise floor of a paired ratio: the same bare loop on two identically built engines.
         if ds_config is not None and not twin:
             log("noise floor: the bare loop on two identical engines")
-            result, error = self.worker("bare", "twins", self.spec("twins", ds_config=ds_config, arms=["eager", "twin"]))
+            result, error = self.worker(
+                "bare", "twins", self.spec("twins", ds_config=ds_config, arms=["eager", "twin"])
+            )
             results["twins"], results["twins_error"] = result and result["bare"], error
             if error:
                 self.failures.append(f"twins: {error}")
@@ -297,9 +369,14 @@ class Bench:
             dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
             throughput = replace(throughput_of(self.config, ds_config, self.device), peak_tflops=results["peak"][dtype])
             record = throughput.record(1, median_of(arms["train"], "times", self.warmup))
-            results["mfu"] = {"dtype": dtype, "peak": results["peak"][dtype], "tflops": record["tflops"],
-                              "mfu": record["mfu"], "tokens_per_s": record["tokens_per_s"],
-                              "params": self.params(self.model)}
+            results["mfu"] = {
+                "dtype": dtype,
+                "peak": results["peak"][dtype],
+                "tflops": record["tflops"],
+                "mfu": record["mfu"],
+                "tokens_per_s": record["tokens_per_s"],
+                "params": self.params(self.model),
+            }
         results["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
         return results
 
@@ -327,21 +404,33 @@ class Bench:
         spec_models = []
         try:
             for label, job in models:
-                plans = {stage: plan(self.compose([f"zero=stage{stage}", "offload=none"], job), 2, self.device)
-                         for stage in range(4)}
+                plans = {
+                    stage: plan(self.compose([f"zero=stage{stage}", "offload=none"], job), 2, self.device)
+                    for stage in range(4)
+                }
                 configs = {stage: job_plan.ds_config for stage, job_plan in plans.items()}
                 model = to_dict(plans[0].config.model)
                 net = self.meta(model)
-                spec_models.append({"label": label, "model": model, "params": count_parameters(net),
-                                    "group_sizes": optimizer_group_sizes(net), "ds_configs": configs})
+                spec_models.append(
+                    {
+                        "label": label,
+                        "model": model,
+                        "params": count_parameters(net),
+                        "group_sizes": optimizer_group_sizes(net),
+                        "ds_configs": configs,
+                    }
+                )
         except ConfigError as err:
             return None, str(err)
         tokens = QUICK_MEMORY_TOKENS if self.quick else None  # None: the job's micro batch x block
-        per_rank, error = self.worker("memory", "memory", self.spec("memory", models=spec_models, tokens=tokens), ranks=2)
+        per_rank, error = self.worker(
+            "memory", "memory", self.spec("memory", models=spec_models, tokens=tokens), ranks=2
+        )
         return (None if error else [row for rows in per_rank for row in rows]), error
 
 
 # ---- the table ----
+
 
 def steady(times: list[float], warmup: int) -> list[float]:
     return times[warmup:] or times[-1:]
@@ -394,12 +483,18 @@ def report(r: dict) -> str:
     add("## Machine")
     add("")
     add(f"- CPU: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, ISA: {', '.join(m['isa']) or '?'}")
-    add(f"- {m['os']}, Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}, "
-        f"transformers {m['transformers']}, accelerate {m['accelerate']}")
-    add(f"- load average at start {m['load_average']}, at end {m.get('load_average_end')} "
-        "(other processes on the machine add noise: arms are paired step by step or interleaved to share it)")
-    add(f"- job: `{' '.join(r['job'])}`; {r['steps']} steps per run, the first {w} left out, "
-        f"{r['rounds']} run(s) per arm; medians of the remaining steps")
+    add(
+        f"- {m['os']}, Python {m['python']}, torch {m['torch']}, deepspeed {m['deepspeed']}, "
+        f"transformers {m['transformers']}, accelerate {m['accelerate']}"
+    )
+    add(
+        f"- load average at start {m['load_average']}, at end {m.get('load_average_end')} "
+        "(other processes on the machine add noise: arms are paired step by step or interleaved to share it)"
+    )
+    add(
+        f"- job: `{' '.join(r['job'])}`; {r['steps']} steps per run, the first {w} left out, "
+        f"{r['rounds']} run(s) per arm; medians of the remaining steps"
+    )
     add("")
     add("## CPU matmul peak")
     add("")
@@ -411,9 +506,11 @@ def report(r: dict) -> str:
     if "mfu" in r:
         f = r["mfu"]
         add("")
-        add(f"The bench's train.py runs ({f['params'] / 1e6:.1f}M params, median step): "
+        add(
+            f"The bench's train.py runs ({f['params'] / 1e6:.1f}M params, median step): "
             f"{f['tokens_per_s']:.0f} tokens/s, {f['tflops']:.3f} TFLOP/s, MFU {100 * f['mfu']:.1f}% of the measured "
-            f"{f['dtype']} peak {f['peak']:.3f} TFLOP/s.")
+            f"{f['dtype']} peak {f['peak']:.3f} TFLOP/s."
+        )
     add("")
 
     arms, errors = r["arms"], r["arm_errors"]
@@ -423,30 +520,45 @@ def report(r: dict) -> str:
     add("| measurement | train.py loop: median step (s) | bare loop: median step (s) | train.py / bare |")
     add("| --- | --- | --- | --- |")
     if fit:
-        add(f"| one process, steps paired: `lmrepo.loop.fit` with a bare step right after each of its steps | "
+        add(
+            f"| one process, steps paired: `lmrepo.loop.fit` with a bare step right after each of its steps | "
             f"{median_of(fit, 'times', w):.4f} | {median_of(fit, 'bare_times', w):.4f} | "
-            f"**{paired(fit, 'times', 'bare_times', w):.3f}** (median of per-step ratios) |")
+            f"**{paired(fit, 'times', 'bare_times', w):.3f}** (median of per-step ratios) |"
+        )
     if train and bare:
-        add(f"| separate processes, runs interleaved: `python train.py` vs the bare loop alone | "
+        add(
+            f"| separate processes, runs interleaved: `python train.py` vs the bare loop alone | "
             f"{median_of(train, 'times', w):.4f} | {median_of(bare, 'times', w):.4f} | "
-            f"{median_of(train, 'times', w) / median_of(bare, 'times', w):.3f} (ratio of medians) |")
+            f"{median_of(train, 'times', w) / median_of(bare, 'times', w):.3f} (ratio of medians) |"
+        )
     add("")
     if fit:
         ratio = paired(fit, "times", "bare_times", w)
         extra = statistics.median(a - b for x in fit for a, b in zip(steady(x["times"], w), steady(x["bare_times"], w)))
         low, high = interval([ratios(fit, "times", "bare_times", w)])
-        add(f"Issue target train.py / bare <= 1.05: {verdict(ratio, low, high, 1.05)}; train.py's step takes "
+        add(
+            f"Issue target train.py / bare <= 1.05: {verdict(ratio, low, high, 1.05)}; train.py's step takes "
             f"{1000 * extra:+.1f} ms more (median of the paired differences). "
             "train.py's step is the wall time between its consecutive metrics lines (logged every step): "
-            "data, forward, backward, step, the loss all-reduce, metrics, logging, progress bar.")
-        add(f"Same work: in each process the two loops' losses differ by at most "
+            "data, forward, backward, step, the loss all-reduce, metrics, logging, progress bar."
+        )
+        add(
+            f"Same work: in each process the two loops' losses differ by at most "
             f"{max(max_diff(x['losses'], x['bare_losses']) for x in fit):.2e}"
-            + (f"; `python train.py` and the bare loop alone by {max_diff(train[0]['losses'], bare[0]['losses']):.2e}"
-               if train and bare else "") + ".")
+            + (
+                f"; `python train.py` and the bare loop alone by {max_diff(train[0]['losses'], bare[0]['losses']):.2e}"
+                if train and bare
+                else ""
+            )
+            + "."
+        )
     if train:
-        add(f"`python train.py` per-run medians (s): {per_run(train, w)}; its own tokens_per_s metric gives "
+        add(
+            f"`python train.py` per-run medians (s): {per_run(train, w)}; its own tokens_per_s metric gives "
             f"{median_of(train, 'window_times', w):.4f} s per step"
-            + (f"; the bare loop alone: {per_run(bare, w)}" if bare else "") + ".")
+            + (f"; the bare loop alone: {per_run(bare, w)}" if bare else "")
+            + "."
+        )
     for arm in ("train", "bare", "fit"):
         if arm in errors:
             add(f"{arm} run failed: {errors[arm]}")
@@ -458,25 +570,36 @@ def report(r: dict) -> str:
         fit_ratio, hf_ratio = paired(fit, "times", "bare_times", w), paired(hf, "times", "bare_times", w)
         add("| measurement | train.py | HF Trainer + DeepSpeed | train.py / HF |")
         add("| --- | --- | --- | --- |")
-        add("| step time / the bare loop's paired step (the same bare loop runs in both processes) | "
+        add(
+            "| step time / the bare loop's paired step (the same bare loop runs in both processes) | "
             f"{fit_ratio:.3f} | "
-            f"{hf_ratio:.3f} | **{fit_ratio / hf_ratio:.3f}** |")
-        add(f"| median step (s) | {median_of(fit, 'times', w):.4f} | {median_of(hf, 'times', w):.4f} | "
-            f"{median_of(fit, 'times', w) / median_of(hf, 'times', w):.3f} |")
+            f"{hf_ratio:.3f} | **{fit_ratio / hf_ratio:.3f}** |"
+        )
+        add(
+            f"| median step (s) | {median_of(fit, 'times', w):.4f} | {median_of(hf, 'times', w):.4f} | "
+            f"{median_of(fit, 'times', w) / median_of(hf, 'times', w):.3f} |"
+        )
         add("")
         s = r["block_size"]
-        low, high = interval([ratios(fit, "times", "bare_times", w), ratios(hf, "times", "bare_times", w)],
-                             lambda a, b: a / b)
-        add(f"Issue target: at least as fast (<= 1.0): {verdict(fit_ratio / hf_ratio, low, high, 1.0)}. "
+        low, high = interval(
+            [ratios(fit, "times", "bare_times", w), ratios(hf, "times", "bare_times", w)], lambda a, b: a / b
+        )
+        add(
+            f"Issue target: at least as fast (<= 1.0): {verdict(fit_ratio / hf_ratio, low, high, 1.0)}. "
             "Mean training loss: train.py "
             f"{statistics.fmean(fit[0]['losses']):.4f}, HF Trainer {hf[0]['mean_loss']:.4f}, which is "
             f"{hf[0]['mean_loss'] * s / (s - 1):.4f} x {s}/{s - 1}: the Trainer divides the summed token losses by "
             f"every label token (`num_items_in_batch`), {s} per sequence, where the shifted causal loss has {s - 1}. "
             "The rest differs because DeepSpeed builds the Trainer's AdamW from one parameter group, weight decay "
             "on every parameter; train.py exempts biases and norms. The Trainer ran a "
-            f"`{hf[0]['engine']}`" + (" with `use_cpu=True`: without it TrainingArguments refuses bf16 on a machine "
-                                       "without a GPU" if hf[0]["use_cpu"] else "")
-            + "; its step is the wall time between step ends (a callback), its logging off; train.py logs every step.")
+            f"`{hf[0]['engine']}`"
+            + (
+                " with `use_cpu=True`: without it TrainingArguments refuses bf16 on a machine without a GPU"
+                if hf[0]["use_cpu"]
+                else ""
+            )
+            + "; its step is the wall time between step ends (a callback), its logging off; train.py logs every step."
+        )
     if "hf" in errors:
         add(f"HF Trainer could not be measured: {errors['hf']}")
     add("")
@@ -484,9 +607,11 @@ def report(r: dict) -> str:
     if r.get("twins"):
         twin_ratios = ratios([r["twins"]["times"]], "twin", "eager", w)
         low, high = interval([twin_ratios])
-        add(f"Noise floor of these paired ratios: the same bare loop on two identically built engines in one "
+        add(
+            f"Noise floor of these paired ratios: the same bare loop on two identically built engines in one "
             f"process, steps alternating, gives twin / eager = {statistics.median(twin_ratios):.3f} (95% interval "
-            f"{low:.3f}-{high:.3f}): paired ratios no farther from 1 than this are no difference between the loops.")
+            f"{low:.3f}-{high:.3f}): paired ratios no farther from 1 than this are no difference between the loops."
+        )
         add("")
     elif r.get("twins_error"):
         add(f"The noise floor could not be measured: {r['twins_error']}")
@@ -508,15 +633,19 @@ def report(r: dict) -> str:
         add("| arm (bare loop, one process, turns of a few steps) | first step (s) | median step (s) |")
         add("| --- | --- | --- |")
         add(f"| eager | {c['times']['eager'][0]:.2f} | {median_of(runs, 'eager', w):.4f} |")
-        add(f"| `engine.compile()` (inductor) | {c['times']['compiled'][0]:.2f} | "
-            f"{median_of(runs, 'compiled', w):.4f} |")
+        add(
+            f"| `engine.compile()` (inductor) | {c['times']['compiled'][0]:.2f} | "
+            f"{median_of(runs, 'compiled', w):.4f} |"
+        )
         add("")
         low, high = interval([ratios(runs, "compiled", "eager", w)])
-        add(f"**compiled / eager step time = {paired(runs, 'compiled', 'eager', w):.3f}** (95% interval {low:.3f}-"
+        add(
+            f"**compiled / eager step time = {paired(runs, 'compiled', 'eager', w):.3f}** (95% interval {low:.3f}-"
             f"{high:.3f}; median of the ratios of the n-th steps; the first compiled step includes compilation). "
             "Losses differ by at most "
             f"{max_diff(c['losses']['compiled'], c['losses']['eager']):.2e}. Both arms use the same model with "
-            "`model.loss_type` set: unset, transformers logs a warning inside forward, a graph break.")
+            "`model.loss_type` set: unset, transformers logs a warning inside forward, a graph break."
+        )
     if r.get("compile_error"):
         add(f"torch.compile could not be measured: {r['compile_error']}")
     return "\n".join(lines) + "\n"
@@ -526,42 +655,54 @@ def memory_table(rows: list[dict]) -> str:
     from lmrepo.estimate import model_state_bytes, zero12_model_state_bytes
 
     dtype = rows[0]["dtype"]
-    mb = lambda b: f"{b / 1e6:.1f}"
-    out = [f"Measured after the second backward, before its optimizer step, on {rows[0]['world']} ranks ({dtype}); "
-           "MB = 1e6 bytes. Theory: lmrepo.estimate.model_state_bytes (ZeRO paper, 2+2+12 bytes per parameter "
-           "in mixed precision, divided per stage). DeepSpeed's layout: lmrepo.estimate.zero12_model_state_bytes, "
-           "the same with ZeRO-1/2's gradients held by whole tensor, rank by rank. Measured: the storages of the "
-           "engine's own tensors (parameters or their ZeRO-3 partitions, gradients and gradient partition buffers, "
-           "the fp32 master copy and Adam moments), not RSS. Buffers (communication buckets) are not model states: "
-           "listed apart.",
-           "",
-           "| model (params) | stage | theory | rank: params + grads + optimizer = total | error (worst rank) "
-           "| within 10% | DeepSpeed's layout, per rank: error (worst rank) | buffers |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (model, stage) in dict.fromkeys((row["model"], row["stage"]) for row in rows):
+
+    def mb(b: float) -> str:
+        return f"{b / 1e6:.1f}"
+
+    out = [
+        f"Measured after the second backward, before its optimizer step, on {rows[0]['world']} ranks ({dtype}); "
+        "MB = 1e6 bytes. Theory: lmrepo.estimate.model_state_bytes (ZeRO paper, 2+2+12 bytes per parameter "
+        "in mixed precision, divided per stage). DeepSpeed's layout: lmrepo.estimate.zero12_model_state_bytes, "
+        "the same with ZeRO-1/2's gradients held by whole tensor, rank by rank. Measured: the storages of the "
+        "engine's own tensors (parameters or their ZeRO-3 partitions, gradients and gradient partition buffers, "
+        "the fp32 master copy and Adam moments), not RSS. Buffers (communication buckets) are not model states: "
+        "listed apart.",
+        "",
+        "| model (params) | stage | theory | rank: params + grads + optimizer = total | error (worst rank) "
+        "| within 10% | DeepSpeed's layout, per rank: error (worst rank) | buffers |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model, stage in dict.fromkeys((row["model"], row["stage"]) for row in rows):
         ranks = sorted((row for row in rows if (row["model"], row["stage"]) == (model, stage)), key=lambda x: x["rank"])
         params, world = ranks[0]["n_params"], ranks[0]["world"]
         theory = model_state_bytes(params, stage, world, dtype=dtype).gpu
         totals = [x["params"] + x["grads"] + x["optimizer"] for x in ranks]
         worst = max((t / theory - 1 for t in totals), key=abs)
-        held = "; ".join(f"{x['rank']}: {mb(x['params'])} + {mb(x['grads'])} + {mb(x['optimizer'])} = {mb(t)}"
-                         for x, t in zip(ranks, totals))
+        held = "; ".join(
+            f"{x['rank']}: {mb(x['params'])} + {mb(x['grads'])} + {mb(x['optimizer'])} = {mb(t)}"
+            for x, t in zip(ranks, totals)
+        )
         layout = "= theory"
         if stage in (1, 2):
             expected = zero12_model_state_bytes(params, ranks[0]["group_sizes"], stage, world, dtype)
             off = max((t / expected[x["rank"]] - 1 for x, t in zip(ranks, totals)), key=abs)
             layout = f"{' / '.join(mb(e) for e in expected)}: {100 * off:+.1f}%"
-        out.append(f"| {model} ({params / 1e6:.1f}M) | {stage} | {mb(theory)} | {held} | "
-                   f"{100 * worst:+.1f}% | {'yes' if abs(worst) <= 0.10 else 'no'} | {layout} | "
-                   f"{' / '.join(mb(x['buffers']) for x in ranks)} |")
-    out += ["", "Where measured and theory part: DeepSpeed's ZeRO-1/2 hold gradients by whole tensor: a rank's "
-            "gradient buffer holds in full every parameter its partition touches (`get_partition_info`, "
-            "`grads_in_partition`), so a tensor that straddles a partition boundary is held whole on both sides "
-            "(GPT-2's token embedding is 80% of gpt2-tiny: one rank holds every gradient). DeepSpeed's layout "
-            "column counts exactly that. Its ZeRO-1 keeps only those gradients once backward ends (whole "
-            "gradients live per reduce bucket during backward), where the ZeRO paper's stage 1, and the theory, "
-            "keep all of them. ZeRO-3 keeps parameters under `stage3_param_persistence_threshold` whole on every "
-            "rank, and its reduce bucket (`reduce_bucket_size` elements) is allocated up front: the buffers column."]
+        out.append(
+            f"| {model} ({params / 1e6:.1f}M) | {stage} | {mb(theory)} | {held} | "
+            f"{100 * worst:+.1f}% | {'yes' if abs(worst) <= 0.10 else 'no'} | {layout} | "
+            f"{' / '.join(mb(x['buffers']) for x in ranks)} |"
+        )
+    out += [
+        "",
+        "Where measured and theory part: DeepSpeed's ZeRO-1/2 hold gradients by whole tensor: a rank's "
+        "gradient buffer holds in full every parameter its partition touches (`get_partition_info`, "
+        "`grads_in_partition`), so a tensor that straddles a partition boundary is held whole on both sides "
+        "(GPT-2's token embedding is 80% of gpt2-tiny: one rank holds every gradient). DeepSpeed's layout "
+        "column counts exactly that. Its ZeRO-1 keeps only those gradients once backward ends (whole "
+        "gradients live per reduce bucket during backward), where the ZeRO paper's stage 1, and the theory, "
+        "keep all of them. ZeRO-3 keeps parameters under `stage3_param_persistence_threshold` whole on every "
+        "rank, and its reduce bucket (`reduce_bucket_size` elements) is allocated up front: the buffers column.",
+    ]
     return "\n".join(out)
 
 

@@ -8,6 +8,7 @@ then a resume from it (train.py logs checkpoint_load_s); checkpoint_sync_s is th
 that makes it durable (every file fsynced and checksummed into manifest.json), read back from metrics.jsonl. The
 precision is train.py's default, precision=auto: bf16 where the CPU computes it natively, else fp32.
 """
+
 import argparse
 import json
 import subprocess
@@ -18,16 +19,28 @@ from common import REPO  # benchmarks/common.py, first on sys.path: puts the rep
 from lmrepo.errors import exit_error
 from lmrepo.launch import launch_command
 
-COMMON = ["trainer.micro_batch_size=1", "schedule.warmup_steps=0", "trainer.log_every=1", "trainer.eval_every=0",
-          "trainer.eval_batches=1", "trainer.save_every=1", "logger=jsonl"]
+COMMON = [
+    "trainer.micro_batch_size=1",
+    "schedule.warmup_steps=0",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "trainer.save_every=1",
+    "logger=jsonl",
+]
 
 
 def launch(run_dir: Path, ranks: int, overrides: list[str]) -> dict:
-    proc = subprocess.run([*launch_command(ranks), str(REPO / "train.py"),
-                           *COMMON, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
-                          cwd=run_dir.parent)
+    proc = subprocess.run(
+        [*launch_command(ranks), str(REPO / "train.py"), *COMMON, *overrides, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        cwd=run_dir.parent,
+    )
     if proc.returncode != 0:
-        exit_error(f"bench_checkpoint: {' '.join(overrides)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", code=1)
+        exit_error(
+            f"bench_checkpoint: {' '.join(overrides)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", code=1
+        )
     merged = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         merged.update(json.loads(line))
@@ -41,7 +54,9 @@ def precision(model: str, ranks: int) -> str:
     from lmrepo.plan import plan
 
     try:
-        return str(plan(compose_config([*COMMON, f"model={model}", "trainer.max_steps=1"]), ranks).config.precision.dtype)
+        return str(
+            plan(compose_config([*COMMON, f"model={model}", "trainer.max_steps=1"]), ranks).config.precision.dtype
+        )
     except ConfigError as err:
         exit_error(str(err))
 
@@ -51,21 +66,32 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2-tiny", "gpt2"])
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
-    print(f"{args.ranks} ranks, {precision(args.models[0], args.ranks)}, AdamW, micro batch 1 x 128 tokens; "
-          "one checkpoint each")
-    print("| model | zero | size (GiB) | save (s) | of which fsync + checksums (s) | load (s) |\n"
-          "| --- | --- | --- | --- | --- | --- |")
+    print(
+        f"{args.ranks} ranks, {precision(args.models[0], args.ranks)}, AdamW, micro batch 1 x 128 tokens; "
+        "one checkpoint each"
+    )
+    print(
+        "| model | zero | size (GiB) | save (s) | of which fsync + checksums (s) | load (s) |\n"
+        "| --- | --- | --- | --- | --- | --- |"
+    )
     with tempfile.TemporaryDirectory(prefix="lmrepo-bench-ckpt-") as tmp:  # the checkpoints: GBs, not kept
         out = Path(tmp)
         for model in args.models:
             for stage in range(4):
                 first = out / f"{model}-{stage}-save"
                 saved = launch(first, args.ranks, [f"model={model}", f"zero=stage{stage}", "trainer.max_steps=1"])
-                loaded = launch(out / f"{model}-{stage}-load", args.ranks,
-                                [f"model={model}", f"zero=stage{stage}", "trainer.max_steps=2", f"run.resume={first}"])
-                print(f"| {model} | {stage} | {saved['checkpoint_gb']:.3f} | {saved['checkpoint_save_s']:.2f} | "
-                      f"{saved['checkpoint_sync_s']:.2f} ({saved['checkpoint_sync_s'] / saved['checkpoint_save_s']:.0%}) | "
-                      f"{loaded['checkpoint_load_s']:.2f} |", flush=True)
+                loaded = launch(
+                    out / f"{model}-{stage}-load",
+                    args.ranks,
+                    [f"model={model}", f"zero=stage{stage}", "trainer.max_steps=2", f"run.resume={first}"],
+                )
+                print(
+                    f"| {model} | {stage} | {saved['checkpoint_gb']:.3f} | {saved['checkpoint_save_s']:.2f} | "
+                    f"{saved['checkpoint_sync_s']:.2f} "
+                    f"({saved['checkpoint_sync_s'] / saved['checkpoint_save_s']:.0%}) | "
+                    f"{loaded['checkpoint_load_s']:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Data-pipeline benchmark: the figures of issue 3, each side by side in one run, printed as ratios.
 
-    python benchmarks/bench_data.py            # the default corpus, 3 rounds, 20 training steps (~5 min on 2 busy CPU cores)
-    python benchmarks/bench_data.py --quick    # smoke run: 2 plays, 1 round, 2 steps of a 2 x 64 model in fp32 (<1 min)
+    python benchmarks/bench_data.py          # the default corpus, 3 rounds, 20 training steps (~5 min on 2 cores)
+    python benchmarks/bench_data.py --quick  # smoke run: 2 plays, 1 round, 2 steps of a 2 x 64 model in fp32 (<1 min)
 
 1. Preparation: lmrepo's prepare() (tokenize once with datasets.map, pack, memmap) against the
    seeds' approach on the same text with the same GPT-2 tokenizer (the Rust one: transformers
@@ -22,6 +22,7 @@
 3. Memory: peak memory (PSS, sampled) of preparation of the corpus and of 10 copies of it,
    each in a fresh process with empty caches, datasets.map's workers included: flat, not 10x.
 """
+
 import argparse
 import json
 import logging
@@ -40,10 +41,16 @@ import psutil
 
 from lmrepo.compose import compose_config
 
-SEED_BATCH, SEED_MAX_LENGTH = 8, 1024   # seed 000: DataLoader(batch_size=8), tokenizer(max_length=1024)
+SEED_BATCH, SEED_MAX_LENGTH = 8, 1024  # seed 000: DataLoader(batch_size=8), tokenizer(max_length=1024)
 # The smoke run's training job: a tiny model in fp32 (a CPU without native bf16 computes bf16 matmuls ~70x slower).
-QUICK_JOB = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
-             "trainer.micro_batch_size=4", "precision=fp32"]
+QUICK_JOB = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.micro_batch_size=4",
+    "precision=fp32",
+]
 
 
 def text_overrides(corpus: Path, cache: Path) -> list[str]:
@@ -67,7 +74,11 @@ class PeakMemory(threading.Thread):
 
     def __init__(self):
         super().__init__(daemon=True)
-        self.me, self.peak, self.done = psutil.Process(), {"anon_mb": 0.0, "pss_mb": 0.0, "main_anon_mb": 0.0}, threading.Event()
+        self.me, self.peak, self.done = (
+            psutil.Process(),
+            {"anon_mb": 0.0, "pss_mb": 0.0, "main_anon_mb": 0.0},
+            threading.Event(),
+        )
 
     def run(self):
         while not self.done.wait(0.05):
@@ -75,8 +86,11 @@ class PeakMemory(threading.Thread):
                 readings = [pss_mb(p.pid) for p in (self.me, *self.me.children(recursive=True))]
             except (OSError, psutil.Error):  # a worker exited between the listing and the reading
                 continue
-            now = {"anon_mb": sum(r[0] for r in readings), "pss_mb": sum(r[1] for r in readings),
-                   "main_anon_mb": readings[0][0]}
+            now = {
+                "anon_mb": sum(r[0] for r in readings),
+                "pss_mb": sum(r[1] for r in readings),
+                "main_anon_mb": readings[0][0],
+            }
             self.peak = {key: max(value, now[key]) for key, value in self.peak.items()}
 
     def stop(self) -> dict:
@@ -100,8 +114,17 @@ def prepare_child(corpus: Path, cache: Path, sample_memory: bool) -> None:
     start, cpu = time.perf_counter(), cpu_seconds()
     meta = load_meta(prepare(data, tokenizer))
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
-    print(json.dumps({"seconds": seconds, "cpu_s": cpu, "tokens": meta["train_tokens"] + meta["val_tokens"],
-                      "documents": meta["documents"], **(memory.stop() if sample_memory else {})}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "cpu_s": cpu,
+                "tokens": meta["train_tokens"] + meta["val_tokens"],
+                "documents": meta["documents"],
+                **(memory.stop() if sample_memory else {}),
+            }
+        )
+    )
 
 
 def cpu_seconds() -> float:
@@ -113,8 +136,12 @@ def cpu_seconds() -> float:
 def run_prepare(corpus: Path, cache: Path, sample_memory: bool = False) -> dict:
     shutil.rmtree(cache, ignore_errors=True)  # a build from scratch every time
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache / "hf")}  # no reuse of datasets' own cache either
-    proc = subprocess.run([sys.executable, __file__, "--prepare-child", str(corpus), str(cache), str(int(sample_memory))],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--prepare-child", str(corpus), str(cache), str(int(sample_memory))],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode:
         raise SystemExit(f"preparing {corpus} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -136,14 +163,22 @@ def seeds_tokenize(tokenizer, corpus: Path) -> dict:
     real = padded = at_cap = 0
     start, cpu = time.perf_counter(), time.process_time()
     for i in range(0, len(samples), SEED_BATCH):
-        batch = tokenizer(samples[i:i + SEED_BATCH], return_tensors="pt", truncation=True, padding=True,
-                          max_length=SEED_MAX_LENGTH)
+        batch = tokenizer(
+            samples[i : i + SEED_BATCH], return_tensors="pt", truncation=True, padding=True, max_length=SEED_MAX_LENGTH
+        )
         lengths = batch["attention_mask"].sum(dim=1)
         real += int(lengths.sum())
         padded += batch["input_ids"].numel()
         at_cap += int((lengths == SEED_MAX_LENGTH).sum())
-    return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "tokens": real, "padded": padded, "samples": len(samples),
-            "mean_sample": real / len(samples), "at_cap": at_cap}
+    return {
+        "seconds": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu,
+        "tokens": real,
+        "padded": padded,
+        "samples": len(samples),
+        "mean_sample": real / len(samples),
+        "at_cap": at_cap,
+    }
 
 
 def tokenizer_alone(tokenizer, corpus: Path) -> dict:
@@ -163,8 +198,12 @@ def tokenizer_alone(tokenizer, corpus: Path) -> dict:
 def layout(ds_config: dict):
     from lmrepo.data.loader import Layout
 
-    return Layout(global_batch=ds_config["train_batch_size"], micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-                  dp_rank=0, dp_size=1)
+    return Layout(
+        global_batch=ds_config["train_batch_size"],
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+        dp_rank=0,
+        dp_size=1,
+    )
 
 
 def supply_rate(token_dir: Path, tokenizer, steps: int = 300) -> float:
@@ -175,8 +214,15 @@ def supply_rate(token_dir: Path, tokenizer, steps: int = 300) -> float:
 
     job = plan(compose_config([]), 1, detect_device("cpu"))
     config = job.config
-    data = LMData(token_dir, config.data.block_size, config.model.family, tokenizer, layout(job.ds_config),
-                  config.trainer.seed, config.trainer.eval_batches)
+    data = LMData(
+        token_dir,
+        config.data.block_size,
+        config.model.family,
+        tokenizer,
+        layout(job.ds_config),
+        config.trainer.seed,
+        config.trainer.eval_batches,
+    )
     start = time.perf_counter()
     for step in range(steps):
         data.train_step(step * data.layout.global_batch)
@@ -200,8 +246,15 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
     config, ds_config = job.config, job.ds_config
     init_distributed()
     engine = build_engine(config, ds_config).ds  # DeepSpeed's engine, stepped as the seeds step it
-    data = LMData(token_dir, config.data.block_size, config.model.family, tokenizer, layout(ds_config),
-                  config.trainer.seed, config.trainer.eval_batches)
+    data = LMData(
+        token_dir,
+        config.data.block_size,
+        config.model.family,
+        tokenizer,
+        layout(ds_config),
+        config.trainer.seed,
+        config.trainer.eval_batches,
+    )
     engine.train()
     waited = total = 0.0
     for step in range(warmup + steps):
@@ -219,15 +272,25 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
             total += end - start
     release_shm_buffer()
     dist.destroy_process_group()
-    return {"steps": steps, "step_s": total / steps, "data_s": waited / steps, "device": job.device.type,
-            "precision": str(config.precision.dtype), "micro": ds_config["train_micro_batch_size_per_gpu"],
-            "block": config.data.block_size, "model": config.model.name, "overrides": overrides}
+    return {
+        "steps": steps,
+        "step_s": total / steps,
+        "data_s": waited / steps,
+        "device": job.device.type,
+        "precision": str(config.precision.dtype),
+        "micro": ds_config["train_micro_batch_size_per_gpu"],
+        "block": config.data.block_size,
+        "model": config.model.name,
+        "overrides": overrides,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 plays, 2 steps of a tiny model: a smoke run")
-    parser.add_argument("--prepare-child", nargs=3, metavar=("CORPUS", "CACHE", "SAMPLE_MEMORY"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--prepare-child", nargs=3, metavar=("CORPUS", "CACHE", "SAMPLE_MEMORY"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.prepare_child:
         corpus, cache, sample_memory = args.prepare_child
@@ -244,68 +307,121 @@ def main() -> None:
         tmp = Path(tmp)
         one, ten = tmp / "x1", tmp / "x10"
         size1, size10 = write_corpus(plays, one, 1), write_corpus(plays, ten, 10)
-        print(f"corpus: {len(plays)} Shakespeare plays ({size1 / 1e6:.1f} MB; the default data=shakespeare"
-              f"{' is all 42' if args.quick else ''}), GPT-2 tokenizer, "
-              f"{os.cpu_count()} CPU cores (shared with whatever else runs)", flush=True)
+        print(
+            f"corpus: {len(plays)} Shakespeare plays ({size1 / 1e6:.1f} MB; the default data=shakespeare"
+            f"{' is all 42' if args.quick else ''}), GPT-2 tokenizer, "
+            f"{os.cpu_count()} CPU cores (shared with whatever else runs)",
+            flush=True,
+        )
 
         # 1. preparation against the seeds' approach on the same text, alternating
         tokenizer = load_tokenizer("gpt2")
-        rounds = [(run_prepare(one, tmp / "cache1"), seeds_tokenize(tokenizer, one), tokenizer_alone(tokenizer, one))
-                  for _ in range(1 if args.quick else 3)]
-        (prepared, seeds, alone), (ours_cpu, seeds_cpu, alone_cpu) = zip(*[
-            (max(runs, key=lambda r: r["tokens"] / r["seconds"]), max(r["tokens"] / r["cpu_s"] for r in runs))
-            for runs in zip(*rounds)])
+        rounds = [
+            (run_prepare(one, tmp / "cache1"), seeds_tokenize(tokenizer, one), tokenizer_alone(tokenizer, one))
+            for _ in range(1 if args.quick else 3)
+        ]
+        (prepared, seeds, alone), (ours_cpu, seeds_cpu, alone_cpu) = zip(
+            *[
+                (max(runs, key=lambda r: r["tokens"] / r["seconds"]), max(r["tokens"] / r["cpu_s"] for r in runs))
+                for runs in zip(*rounds)
+            ]
+        )
         ours_rate, seeds_rate = prepared["tokens"] / prepared["seconds"], seeds["tokens"] / seeds["seconds"]
         alone_rate = alone["tokens"] / alone["seconds"]
-        token_dir = prepare(compose_config(text_overrides(one, tmp / "cache1")).data, tokenizer)  # the last round's, reused
+        token_dir = prepare(
+            compose_config(text_overrides(one, tmp / "cache1")).data, tokenizer
+        )  # the last round's, reused
         supply = supply_rate(token_dir, tokenizer)
         waste = 1 - seeds["tokens"] / seeds["padded"]
-        print(f"1. preparation: tokens the tokenizer produced (the seeds' pad tokens not counted), best of {len(rounds)} "
-              "alternating rounds")
-        print(f"   seeds' sample unit: a paragraph (seed 000: a SQuAD context), {seeds['samples']:,} of them, "
-              f"{seeds['mean_sample']:.0f} tokens on average; batches of {SEED_BATCH}, padding=True, "
-              f"truncation at {SEED_MAX_LENGTH} ({seeds['at_cap']} samples reach it)")
+        print(
+            f"1. preparation: tokens the tokenizer produced (the seeds' pad tokens not counted), best of {len(rounds)} "
+            "alternating rounds"
+        )
+        print(
+            f"   seeds' sample unit: a paragraph (seed 000: a SQuAD context), {seeds['samples']:,} of them, "
+            f"{seeds['mean_sample']:.0f} tokens on average; batches of {SEED_BATCH}, padding=True, "
+            f"truncation at {SEED_MAX_LENGTH} ({seeds['at_cap']} samples reach it)"
+        )
         for name, run, rate, per_cpu, note in (
-                ("lmrepo prepare, once (datasets.map, num_proc=2)", prepared, ours_rate, ours_cpu, ", loading and writing included"),
-                ("seeds, tokenize + pad every batch, every epoch", seeds, seeds_rate, seeds_cpu, ""),
-                ("the Rust tokenizer alone, one call, no datasets", alone, alone_rate, alone_cpu, "")):
-            print(f"   {name}: {rate:10,.0f} tokens/s {per_cpu:10,.0f} tokens/CPU-s ({run['tokens']:,} tokens in "
-                  f"{run['seconds']:.1f} s, {run['cpu_s'] / run['seconds']:.1f} cores busy{note})")
+            (
+                "lmrepo prepare, once (datasets.map, num_proc=2)",
+                prepared,
+                ours_rate,
+                ours_cpu,
+                ", loading and writing included",
+            ),
+            ("seeds, tokenize + pad every batch, every epoch", seeds, seeds_rate, seeds_cpu, ""),
+            ("the Rust tokenizer alone, one call, no datasets", alone, alone_rate, alone_cpu, ""),
+        ):
+            print(
+                f"   {name}: {rate:10,.0f} tokens/s {per_cpu:10,.0f} tokens/CPU-s ({run['tokens']:,} tokens in "
+                f"{run['seconds']:.1f} s, {run['cpu_s'] / run['seconds']:.1f} cores busy{note})"
+            )
         # No preparation with this tokenizer costs less CPU per token than the tokenizer alone; with all
         # cores busy against the seeds' measured share, that bounds the one-pass ratio.
         bound = alone_cpu / seeds_cpu * os.cpu_count() / (seeds["cpu_s"] / seeds["seconds"])
-        print(f"   ratio prepare / seeds, one pass:        {ours_rate / seeds_rate:8.2f}x   (tokens per wall second; "
-              "issue asks >= 5x)")
-        print(f"   ratio prepare / seeds, per CPU-second:  {ours_cpu / seeds_cpu:8.2f}x   (what a token costs, whatever else runs)")
-        print(f"   ratio tokenizer alone / seeds, per CPU-second: {alone_cpu / seeds_cpu:.2f}x   (the floor of a token's cost; "
-              f"with all {os.cpu_count()} cores against the seeds' share, one pass stays below {bound:.1f}x)")
+        print(
+            f"   ratio prepare / seeds, one pass:        {ours_rate / seeds_rate:8.2f}x   (tokens per wall second; "
+            "issue asks >= 5x)"
+        )
+        print(
+            f"   ratio prepare / seeds, per CPU-second:  {ours_cpu / seeds_cpu:8.2f}x   (what a token costs, "
+            "whatever else runs)"
+        )
+        print(
+            f"   ratio tokenizer alone / seeds, per CPU-second: {alone_cpu / seeds_cpu:.2f}x   "
+            "(the floor of a token's cost; "
+            f"with all {os.cpu_count()} cores against the seeds' share, one pass stays below {bound:.1f}x)"
+        )
         print(f"   lmrepo training reads from the token file: {supply:12,.0f} tokens/s (LMData.train_step)")
-        print(f"   ratio train_step supply / seeds:        {supply / seeds_rate:8.0f}x   (per epoch after the first, "
-              "and per run after the first: the seeds tokenize again)")
+        print(
+            f"   ratio train_step supply / seeds:        {supply / seeds_rate:8.0f}x   (per epoch after the first, "
+            "and per run after the first: the seeds tokenize again)"
+        )
         epochs = " ".join(f"{e} epochs {e / seeds_rate / (1 / ours_rate + e / supply):.2f}x;" for e in (1, 3, 10))
         print(f"   ratio over E epochs (seeds: E tokenizations; lmrepo: one preparation + E reads): {epochs[:-1]}")
-        print(f"   padding waste: seeds {waste:.1%} of the tokens in their batches "
-              f"({seeds['padded'] - seeds['tokens']:,} pad tokens); lmrepo 0.0% (packed blocks)", flush=True)
+        print(
+            f"   padding waste: seeds {waste:.1%} of the tokens in their batches "
+            f"({seeds['padded'] - seeds['tokens']:,} pad tokens); lmrepo 0.0% (packed blocks)",
+            flush=True,
+        )
 
         # 2. data wait in the default job
         # The first steps allocate and JIT: not the steady state.
-        wait = data_wait(token_dir, tokenizer, steps, warmup=1 if args.quick else 2,
-                         overrides=QUICK_JOB if args.quick else [])
+        wait = data_wait(
+            token_dir, tokenizer, steps, warmup=1 if args.quick else 2, overrides=QUICK_JOB if args.quick else []
+        )
         job = f"the smoke run's job ({' '.join(wait['overrides'])})" if wait["overrides"] else "default job"
-        print(f"2. data wait, {job} ({wait['model']}, {wait['precision']}, micro batch {wait['micro']} x "
-              f"{wait['block']} tokens, {wait['device']}, 1 rank, {wait['steps']} steps): step {wait['step_s'] * 1e3:.0f} ms, "
-              f"train_step {wait['data_s'] * 1e3:.2f} ms")
-        print(f"   fraction of a step waiting for data:    {wait['data_s'] / wait['step_s']:8.3%}   (issue asks < 1%)",
-              flush=True)
+        print(
+            f"2. data wait, {job} ({wait['model']}, {wait['precision']}, micro batch {wait['micro']} x "
+            f"{wait['block']} tokens, {wait['device']}, 1 rank, {wait['steps']} steps): "
+            f"step {wait['step_s'] * 1e3:.0f} ms, "
+            f"train_step {wait['data_s'] * 1e3:.2f} ms"
+        )
+        print(
+            f"   fraction of a step waiting for data:    {wait['data_s'] / wait['step_s']:8.3%}   (issue asks < 1%)",
+            flush=True,
+        )
 
         # 3. peak memory, x1 and x10
-        single, tenfold = run_prepare(one, tmp / "cache1", sample_memory=True), run_prepare(ten, tmp / "cache10", sample_memory=True)
-        print("3. peak memory of preparation (a fresh process each, with its datasets.map workers; PSS sampled every 50 ms)")
+        single, tenfold = (
+            run_prepare(one, tmp / "cache1", sample_memory=True),
+            run_prepare(ten, tmp / "cache10", sample_memory=True),
+        )
+        print(
+            "3. peak memory of preparation "
+            "(a fresh process each, with its datasets.map workers; PSS sampled every 50 ms)"
+        )
         for name, size, run in (("x1 ", size1, single), ("x10", size10, tenfold)):
-            print(f"   {name} {size / 1e6:6.1f} MB of text, {run['tokens']:>12,} tokens: {run['anon_mb']:6.0f} MB anonymous "
-                  f"(main process {run['main_anon_mb']:.0f} MB); {run['pss_mb']:6.0f} MB with mapped files")
-        print(f"   ratio x10 / x1 peak memory:             {tenfold['anon_mb'] / single['anon_mb']:8.2f}x   "
-              f"(anonymous; {tenfold['pss_mb'] / single['pss_mb']:.2f}x with mapped files; flat ~1, not ~10)")
+            print(
+                f"   {name} {size / 1e6:6.1f} MB of text, {run['tokens']:>12,} tokens: "
+                f"{run['anon_mb']:6.0f} MB anonymous "
+                f"(main process {run['main_anon_mb']:.0f} MB); {run['pss_mb']:6.0f} MB with mapped files"
+            )
+        print(
+            f"   ratio x10 / x1 peak memory:             {tenfold['anon_mb'] / single['anon_mb']:8.2f}x   "
+            f"(anonymous; {tenfold['pss_mb'] / single['pss_mb']:.2f}x with mapped files; flat ~1, not ~10)"
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
    second and their ratio, and how far the answers are apart (the largest log-likelihood
    difference; whether every greedy flag and every generation is the same).
 """
+
 import argparse
 import json
 import subprocess
@@ -24,22 +25,38 @@ from pathlib import Path
 from common import REPO, machine  # benchmarks/common.py, first on sys.path: puts the repository on it
 from lmrepo.errors import exit_error
 
-TYPES = {"loglikelihood": ["shakespeare_lastword", "shakespeare_cloze"],
-         "loglikelihood_rolling": ["shakespeare_speeches"], "generate_until": ["shakespeare_lastword_gen"]}
+TYPES = {
+    "loglikelihood": ["shakespeare_lastword", "shakespeare_cloze"],
+    "loglikelihood_rolling": ["shakespeare_speeches"],
+    "generate_until": ["shakespeare_lastword_gen"],
+}
 
 
 def train(run_dir: Path, steps: int) -> dict:
-    overrides = ["eval.tasks=[shakespeare]", f"trainer.max_steps={steps}", f"trainer.save_every={steps}", "logger=jsonl"]
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, cwd=run_dir.parent)
+    overrides = [
+        "eval.tasks=[shakespeare]",
+        f"trainer.max_steps={steps}",
+        f"trainer.save_every={steps}",
+        "logger=jsonl",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        cwd=run_dir.parent,
+    )
     if proc.returncode != 0:
         exit_error(f"bench_eval: train.py failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", code=1)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     status = json.loads((run_dir / "status.json").read_text())
     downstream = sum(line.get("downstream_s", 0) for line in lines)
-    return {"steps": steps, "wall_s": status["wall_s"], "downstream_s": downstream,
-            "share": downstream / status["wall_s"], "metrics": {k: v for line in lines for k, v in line.items()
-                                                               if k.startswith("eval/")}}
+    return {
+        "steps": steps,
+        "wall_s": status["wall_s"],
+        "downstream_s": downstream,
+        "share": downstream / status["wall_s"],
+        "metrics": {k: v for line in lines for k, v in line.items() if k.startswith("eval/")},
+    }
 
 
 def requests_of(limit: int) -> dict[str, list]:
@@ -67,8 +84,10 @@ def agreement(kind: str, ours: list, theirs: list) -> dict:
         return {"max_abs_dll": None, "same": ours == theirs}
     if kind == "loglikelihood_rolling":
         return {"max_abs_dll": max(abs(a - b) for a, b in zip(ours, theirs)), "same": True}
-    return {"max_abs_dll": max(abs(a[0] - b[0]) for a, b in zip(ours, theirs)),
-            "same": [a[1] for a in ours] == [b[1] for b in theirs]}
+    return {
+        "max_abs_dll": max(abs(a[0] - b[0]) for a, b in zip(ours, theirs)),
+        "same": [a[1] for a in ours] == [b[1] for b in theirs],
+    }
 
 
 def compare(run_dir: Path, limit: int, rounds: int, batch_size: int) -> dict:
@@ -91,9 +110,13 @@ def compare(run_dir: Path, limit: int, rounds: int, batch_size: int) -> dict:
             for name, lm in order:
                 seconds, answers[name] = timed(lm, kind, requests)
                 best[name] = min(best[name], seconds)
-        rows[kind] = {"requests": len(requests), "lmrepo_rps": len(requests) / best["lmrepo"],
-                      "hf_rps": len(requests) / best["hf"], "ratio": best["hf"] / best["lmrepo"],
-                      **agreement(kind, answers["lmrepo"], answers["hf"])}
+        rows[kind] = {
+            "requests": len(requests),
+            "lmrepo_rps": len(requests) / best["lmrepo"],
+            "hf_rps": len(requests) / best["hf"],
+            "ratio": best["hf"] / best["lmrepo"],
+            **agreement(kind, answers["lmrepo"], answers["hf"]),
+        }
     return rows
 
 
@@ -112,17 +135,31 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         in_loop = train(run_dir, args.steps)
         side_by_side = compare(run_dir, args.limit, args.rounds, args.batch_size)
-    report = {"machine": machine(), "in_loop": in_loop, "side_by_side": side_by_side, "limit": args.limit,
-              "batch_size": args.batch_size}
-    print(f"in-loop evaluation, train.py defaults + eval.tasks=[shakespeare], {args.steps} steps: "
-          f"{in_loop['downstream_s']:.1f} s of {in_loop['wall_s']:.1f} s wall = {in_loop['share']:.1%}")
-    print(f"\nside by side, {args.limit} documents per task, batch size {args.batch_size}, best of {args.rounds} rounds:")
-    print("| request type | requests | lmrepo req/s | HFLM req/s | lmrepo / HFLM | max abs log-lik diff | same greedy answers |")
+    report = {
+        "machine": machine(),
+        "in_loop": in_loop,
+        "side_by_side": side_by_side,
+        "limit": args.limit,
+        "batch_size": args.batch_size,
+    }
+    print(
+        f"in-loop evaluation, train.py defaults + eval.tasks=[shakespeare], {args.steps} steps: "
+        f"{in_loop['downstream_s']:.1f} s of {in_loop['wall_s']:.1f} s wall = {in_loop['share']:.1%}"
+    )
+    print(
+        f"\nside by side, {args.limit} documents per task, batch size {args.batch_size}, best of {args.rounds} rounds:"
+    )
+    print(
+        "| request type | requests | lmrepo req/s | HFLM req/s | lmrepo / HFLM | max abs log-lik diff | same "
+        "greedy answers |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for kind, row in side_by_side.items():
         diff = "-" if row["max_abs_dll"] is None else f"{row['max_abs_dll']:.2e}"
-        print(f"| {kind} | {row['requests']} | {row['lmrepo_rps']:.1f} | {row['hf_rps']:.1f} | {row['ratio']:.3f} | "
-              f"{diff} | {row['same']} |")
+        print(
+            f"| {kind} | {row['requests']} | {row['lmrepo_rps']:.1f} | {row['hf_rps']:.1f} | {row['ratio']:.3f} | "
+            f"{diff} | {row['same']} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

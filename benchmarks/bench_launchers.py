@@ -10,6 +10,7 @@ runner and its launch.py each import all of DeepSpeed before a rank starts, and 
 its ranks once a second; torchrun imports torch once and polls every 0.1 s. The ranks run alike
 under both (lmrepo.launch gives DeepSpeed's shared-memory all-reduce LOCAL_SIZE under torchrun).
 """
+
 import argparse
 import statistics
 import tempfile
@@ -18,15 +19,26 @@ from pathlib import Path
 from common import REPO, run_measured  # benchmarks/common.py
 from lmrepo.launch import launch_command
 
-TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32", "trainer.micro_batch_size=4",
-        "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2",
-        "logger=jsonl", "precision=fp32"]
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=6",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=2",
+    "logger=jsonl",
+    "precision=fp32",
+]
 
 
 def run(launcher: str, ranks: int, run_dir: Path) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one launch."""
-    wall, usage = run_measured([*launch_command(ranks, launcher), str(REPO / "train.py"), *TINY,
-                                f"hydra.run.dir={run_dir}"], run_dir)
+    wall, usage = run_measured(
+        [*launch_command(ranks, launcher), str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}"], run_dir
+    )
     return wall, usage.ru_utime + usage.ru_stime
 
 
@@ -41,7 +53,7 @@ def main() -> None:
     arms = {"deepspeed": [], "torchrun": []}
     run("torchrun", args.ranks, out / "warmup")  # builds DeepSpeed's ops and tokenizes once, untimed
     for r in range(args.rounds):
-        for launcher in (arms if r % 2 == 0 else reversed(arms)):
+        for launcher in arms if r % 2 == 0 else reversed(arms):
             arms[launcher].append(run(launcher, args.ranks, out / f"{launcher}{r}"))
     print(f"A {args.ranks}-rank TINY run (6 steps), {args.rounds} launches per launcher, alternating; medians.\n")
     print("| launcher | wall s | CPU s |\n| --- | --- | --- |")
@@ -50,8 +62,10 @@ def main() -> None:
         medians[launcher] = [statistics.median(x) for x in zip(*runs)]
         print(f"| {launcher} | {medians[launcher][0]:.2f} | {medians[launcher][1]:.2f} |")
     (ds_wall, ds_cpu), (tr_wall, tr_cpu) = medians["deepspeed"], medians["torchrun"]
-    print(f"\ndeepspeed / torchrun: wall {ds_wall / tr_wall:.2f}x (+{ds_wall - tr_wall:.2f} s), "
-          f"CPU {ds_cpu / tr_cpu:.2f}x (+{ds_cpu - tr_cpu:.2f} s) per launch")
+    print(
+        f"\ndeepspeed / torchrun: wall {ds_wall / tr_wall:.2f}x (+{ds_wall - tr_wall:.2f} s), "
+        f"CPU {ds_cpu / tr_cpu:.2f}x (+{ds_cpu - tr_cpu:.2f} s) per launch"
+    )
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ Each arm is `python train.py` (the default job) for --steps steps, the arms alte
 builds kernels). Per process, from the kernel: system CPU seconds (page faults and zeroing) and
 peak resident memory. Prints a table per CPU mode and the ratios keep / glibc.
 """
+
 import argparse
 import statistics
 import tempfile
 from pathlib import Path
 
-from common import DEFAULT_JOB_TOKENS_PER_STEP as TOKENS_PER_STEP, NO_BF16, time_default_job  # benchmarks/common.py
+from common import DEFAULT_JOB_TOKENS_PER_STEP as TOKENS_PER_STEP  # benchmarks/common.py
+from common import NO_BF16, time_default_job
 
 
 def run(run_dir: Path, keep: bool, steps: int, env: dict) -> dict:
@@ -32,8 +34,10 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="lmrepo-bench-malloc-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"{args.steps} steps of the default job per process, {args.rounds} processes per arm, arms alternating.\n")
-    print("| CPU | malloc | step s | tokens/s | system CPU s | user CPU s | peak RSS GB | last loss |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| CPU | malloc | step s | tokens/s | system CPU s | user CPU s | peak RSS GB | last loss |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
     for mode, env in (("as it is", {}), ("native bf16 hidden (AVX2)", NO_BF16)):
         arms = {"keep": [], "glibc": []}
         for r in range(args.rounds):
@@ -42,12 +46,16 @@ def main() -> None:
         median = {arm: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for arm, runs in arms.items()}
         for arm, m in median.items():
             label = "kept (lmrepo's default)" if arm == "keep" else "glibc's thresholds"
-            print(f"| {mode} | {label} | {m['step_s']:.3f} | {TOKENS_PER_STEP / m['step_s']:,.0f} | {m['sys_s']:.1f} | "
-                  f"{m['user_s']:.1f} | {m['peak_gb']:.2f} | {m['loss']:.4f} |")
+            print(
+                f"| {mode} | {label} | {m['step_s']:.3f} | {TOKENS_PER_STEP / m['step_s']:,.0f} | {m['sys_s']:.1f} | "
+                f"{m['user_s']:.1f} | {m['peak_gb']:.2f} | {m['loss']:.4f} |"
+            )
         keep, glibc = median["keep"], median["glibc"]
-        print(f"| {mode} | keep / glibc | **{keep['step_s'] / glibc['step_s']:.2f}x** step time | | "
-              f"{keep['sys_s'] / glibc['sys_s']:.2f}x | {keep['user_s'] / glibc['user_s']:.2f}x | "
-              f"**{keep['peak_gb'] / glibc['peak_gb']:.2f}x** | |")
+        print(
+            f"| {mode} | keep / glibc | **{keep['step_s'] / glibc['step_s']:.2f}x** step time | | "
+            f"{keep['sys_s'] / glibc['sys_s']:.2f}x | {keep['user_s'] / glibc['user_s']:.2f}x | "
+            f"**{keep['peak_gb'] / glibc['peak_gb']:.2f}x** | |"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ plus two); CPU: the kernel's account of it and every compile it waited for. asyn
 the NVMe offload test builds (with pin_memory, built first); cpu_adam, fused_adam and shm
 (ShareMemComm) have too few sources for a precompiled header and show the -g0 part alone.
 """
+
 import argparse
 import statistics
 import sys
@@ -19,18 +20,27 @@ from pathlib import Path
 
 from common import REPO, run_measured  # benchmarks/common.py
 
-BUILDERS = {"async_io": "AsyncIOBuilder", "cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder",
-            "shm": "ShareMemCommBuilder"}
+BUILDERS = {
+    "async_io": "AsyncIOBuilder",
+    "cpu_adam": "CPUAdamBuilder",
+    "fused_adam": "FusedAdamBuilder",
+    "shm": "ShareMemCommBuilder",
+}
 TESTS_CXX = str(REPO / "tests" / "tools" / "g++-for-tests")
-ARMS = {"deepspeed (c++)": {"CXX": "c++"}, "tests, -g0 only": {"CXX": TESTS_CXX, "LMREPO_TEST_PCH": "0"},
-        "tests (g++-for-tests)": {"CXX": TESTS_CXX, "LMREPO_TEST_PCH": "1"}}
+ARMS = {
+    "deepspeed (c++)": {"CXX": "c++"},
+    "tests, -g0 only": {"CXX": TESTS_CXX, "LMREPO_TEST_PCH": "0"},
+    "tests (g++-for-tests)": {"CXX": TESTS_CXX, "LMREPO_TEST_PCH": "1"},
+}
 
 
 def build(op: str, env: dict, out: Path) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of building `op` with the compiler `env` names, in a fresh
     extensions dir."""
     load = f"from deepspeed.ops.op_builder import {BUILDERS[op]} as B; B().load(verbose=False)"
-    wall, usage = run_measured([sys.executable, "-c", load], out, {**env, "TORCH_EXTENSIONS_DIR": str(out / "extensions")})
+    wall, usage = run_measured(
+        [sys.executable, "-c", load], out, {**env, "TORCH_EXTENSIONS_DIR": str(out / "extensions")}
+    )
     return wall, usage.ru_utime + usage.ru_stime
 
 
@@ -56,8 +66,10 @@ def main() -> None:
     ds_wall, ds_cpu = medians["deepspeed (c++)"]
     print()
     for name, (wall, cpu) in list(medians.items())[1:]:
-        print(f"{name} / deepspeed: wall {wall / ds_wall:.2f}x ({wall - ds_wall:+.1f} s), "
-              f"CPU {cpu / ds_cpu:.2f}x ({cpu - ds_cpu:+.1f} s)")
+        print(
+            f"{name} / deepspeed: wall {wall / ds_wall:.2f}x ({wall - ds_wall:+.1f} s), "
+            f"CPU {cpu / ds_cpu:.2f}x ({cpu - ds_cpu:+.1f} s)"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ lmrepo uses torch's (torch_adam + fused in DeepSpeed's optimizer params) on a CP
 optimizer offload (lmrepo.ds_config.prefer_torch_adam_on_cpu). --build also times compiling the op
 from nothing (a fresh TORCH_EXTENSIONS_DIR): what the first run on a new machine paid.
 """
+
 import argparse
 import os
 import subprocess
@@ -26,8 +27,20 @@ LOAD_OP = "from deepspeed.ops.adam import FusedAdam; import torch; FusedAdam([to
 
 
 def parameters(n_layer: int, width: int, seed: int = 0) -> list[torch.nn.Parameter]:
-    block = [(width, 3 * width), (3 * width,), (width, width), (width,), (width, 4 * width), (4 * width,),
-             (4 * width, width), (width,), (width,), (width,), (width,), (width,)]
+    block = [
+        (width, 3 * width),
+        (3 * width,),
+        (width, width),
+        (width,),
+        (width, 4 * width),
+        (4 * width,),
+        (4 * width, width),
+        (width,),
+        (width,),
+        (width,),
+        (width,),
+        (width,),
+    ]
     generator = torch.Generator().manual_seed(seed)
     params = []
     for shape in [(50257, width), (1024, width), *block * n_layer]:
@@ -66,19 +79,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--build", action="store_true", help="also time compiling FusedAdam from nothing")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
     print(f"{'model':<10} {'params':>8} {'FusedAdam ms':>13} {'torch fused ms':>15} {'torch/DS':>9} {'max |diff|':>11}")
     for name, (n_layer, width) in MODELS.items():
         ds_s, ds_params = step_time("deepspeed FusedAdam", n_layer, width, args.steps)
         torch_s, torch_params = step_time("torch fused AdamW", n_layer, width, args.steps)
         diff = max((a - b).abs().max().item() for a, b in zip(ds_params, torch_params))
         count = sum(p.numel() for p in ds_params) / 1e6
-        print(f"{name:<10} {count:>7.1f}M {ds_s * 1e3:>13.1f} {torch_s * 1e3:>15.1f} {torch_s / ds_s:>8.2f}x {diff:>11.2e}")
+        print(
+            f"{name:<10} {count:>7.1f}M {ds_s * 1e3:>13.1f} {torch_s * 1e3:>15.1f} {torch_s / ds_s:>8.2f}x "
+            f"{diff:>11.2e}"
+        )
     python_s = seconds("import deepspeed, torch")
     load_s = seconds(LOAD_OP)
-    print(f"loading FusedAdam (built already) costs a process {load_s - python_s:.1f} s "
-          f"(import deepspeed: {python_s:.1f} s; DeepSpeed probes the CPU in a subprocess to hash the build flags)")
+    print(
+        f"loading FusedAdam (built already) costs a process {load_s - python_s:.1f} s "
+        f"(import deepspeed: {python_s:.1f} s; DeepSpeed probes the CPU in a subprocess to hash the build flags)"
+    )
     if args.build:
         with tempfile.TemporaryDirectory() as fresh:
             build_s = seconds(LOAD_OP, env={**os.environ, "TORCH_EXTENSIONS_DIR": fresh})

@@ -1,8 +1,8 @@
 """Pipeline schedules side by side on 2 CPU ranks (issue 4): step time, measured bubble against
 seed 001's theory, and activations held for backward per stage (GPipe against 1F1B).
 
-    python benchmarks/bench_pipeline.py                      # GPT-2 8x128, vocab 2048, 64 tokens x 4 per micro-batch (~3 min)
-    python benchmarks/bench_pipeline.py --quick              # smoke run: 4 layers, m = 2 and 4, 1 + 2 steps (<1 min)
+    python benchmarks/bench_pipeline.py          # GPT-2 8x128, vocab 2048, 64 tokens x 4 per micro-batch (~3 min)
+    python benchmarks/bench_pipeline.py --quick  # smoke run: 4 layers, m = 2 and 4, 1 + 2 steps (<1 min)
     python benchmarks/bench_pipeline.py model.n_embd=256     # train.py's overrides change the model
 
 One `deepspeed --num_gpus 2` launch; in it, for each schedule (pipeline=1f1b: DeepSpeed's
@@ -24,6 +24,7 @@ train.py builds it (lmrepo.plan.plan -> lmrepo.engines.build_engine), fp32, on s
 
 Each rank runs one torch thread (2 ranks on 2 cores). Nothing here asserts a time.
 """
+
 import argparse
 import os
 import statistics
@@ -37,10 +38,22 @@ from common import REPO  # benchmarks/common.py, first on sys.path: puts the rep
 
 SCHEDULES = ["1f1b", "gpipe", "1f1b_torch", "interleaved"]
 MICRO_BATCHES, QUICK_MICRO_BATCHES = [2, 4, 8], [2, 4]
-MODEL = ["model.n_layer=8", "model.n_head=4", "model.n_embd=128", "model.vocab_size=2048", "data.block_size=64",
-         "trainer.micro_batch_size=4"]
-QUICK_MODEL = ["model.n_layer=4", "model.n_head=2", "model.n_embd=64", "model.vocab_size=1024",
-               "data.block_size=32", "trainer.micro_batch_size=4"]
+MODEL = [
+    "model.n_layer=8",
+    "model.n_head=4",
+    "model.n_embd=128",
+    "model.vocab_size=2048",
+    "data.block_size=64",
+    "trainer.micro_batch_size=4",
+]
+QUICK_MODEL = [
+    "model.n_layer=4",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "model.vocab_size=1024",
+    "data.block_size=32",
+    "trainer.micro_batch_size=4",
+]
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
@@ -53,6 +66,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
 
 
 # ---- activations saved for backward --------------------------------------------------------
+
 
 class _Holder:
     __slots__ = ("tensor", "__weakref__")
@@ -98,6 +112,7 @@ class SavedTensors:
 
 # ---- worker: every measurement, on every rank ----------------------------------------------
 
+
 def rank_layers(cfg):
     """This rank's chunks as the torch engine cuts them (the DeepSpeed split is the same: one chunk per rank)."""
     import torch.distributed as dist
@@ -110,8 +125,10 @@ def rank_layers(cfg):
     stages, virtual = cfg.pipeline.stages, cfg.pipeline.virtual_stages
     parts = partition(layers, stages * virtual, str(cfg.pipeline.partition))
     rank = dist.get_rank() // (dist.get_world_size() // stages)
-    chunks = [(c, Chunk({i: build_layer(layers[i]) for i in range(parts[c], parts[c + 1])}))
-              for c in range(rank, stages * virtual, stages)]
+    chunks = [
+        (c, Chunk({i: build_layer(layers[i]) for i in range(parts[c], parts[c + 1])}))
+        for c in range(rank, stages * virtual, stages)
+    ]
     return chunks, len(parts) - 1, pipe.LMLoss(cfg.model.family, net.config.vocab_size)
 
 
@@ -169,14 +186,28 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
     from lmrepo.engines.torch_pipeline import TorchPipelineEngine
     from lmrepo.plan import plan
 
-    job = plan(compose_config([*overrides, f"pipeline={schedule}", f"trainer.grad_accum={m}", "precision=fp32",
-                               "trainer.device=cpu", "logger=none"]), dist.get_world_size(), detect_device("cpu"))
+    job = plan(
+        compose_config(
+            [
+                *overrides,
+                f"pipeline={schedule}",
+                f"trainer.grad_accum={m}",
+                "precision=fp32",
+                "trainer.device=cpu",
+                "logger=none",
+            ]
+        ),
+        dist.get_world_size(),
+        detect_device("cpu"),
+    )
     cfg, ds_config = job.config, job.ds_config
     generator = torch.Generator().manual_seed(0)
     shape = (cfg.trainer.micro_batch_size, cfg.data.block_size)
     # GPT-2's loss shifts the labels itself; a pipeline feeds its first stage the inputs, its last the labels
-    batches = [{"input_ids": ids, "labels": ids}
-               for ids in (torch.randint(0, cfg.model.vocab_size, shape, generator=generator) for _ in range(m))]
+    batches = [
+        {"input_ids": ids, "labels": ids}
+        for ids in (torch.randint(0, cfg.model.vocab_size, shape, generator=generator) for _ in range(m))
+    ]
 
     set_seed(cfg.trainer.seed)
     engine = build_engine(cfg, ds_config)
@@ -200,10 +231,18 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
     dist.all_gather(saved, torch.tensor([float(tracker.peak), float(micro_bytes)]))
     p, v = cfg.pipeline.stages, cfg.pipeline.virtual_stages
     bubbles = [1 - m * micro / step for step, micro in zip(step_times, micro_times)]
-    return {"schedule": schedule, "m": m, "p": p, "v": v, "step": statistics.median(step_times),
-            "t_micro": statistics.median(micro_times), "bubble": statistics.median(bubbles),
-            "theory": (p - 1) / (v * m + p - 1),
-            "saved": [s[0].item() for s in saved], "micro_saved": [s[1].item() for s in saved]}
+    return {
+        "schedule": schedule,
+        "m": m,
+        "p": p,
+        "v": v,
+        "step": statistics.median(step_times),
+        "t_micro": statistics.median(micro_times),
+        "bubble": statistics.median(bubbles),
+        "theory": (p - 1) / (v * m + p - 1),
+        "saved": [s[0].item() for s in saved],
+        "micro_saved": [s[1].item() for s in saved],
+    }
 
 
 def run_worker(args, overrides: list[str]) -> None:
@@ -220,7 +259,7 @@ def run_worker(args, overrides: list[str]) -> None:
     rows, load = [], os.getloadavg()[0]
     try:
         for schedule in SCHEDULES:
-            for m in (QUICK_MICRO_BATCHES if args.quick else MICRO_BATCHES):
+            for m in QUICK_MICRO_BATCHES if args.quick else MICRO_BATCHES:
                 rows.append(measure(schedule, m, model, steps, warmup))
                 if dist.get_rank() == 0:
                     r = rows[-1]
@@ -234,27 +273,38 @@ def run_worker(args, overrides: list[str]) -> None:
 
 # ---- the table -------------------------------------------------------------------------------
 
-ENGINES = {"1f1b": "DeepSpeed PipelineEngine", "gpipe": "torch ScheduleGPipe", "1f1b_torch": "torch Schedule1F1B",
-           "interleaved": "torch ScheduleInterleaved1F1B"}
+ENGINES = {
+    "1f1b": "DeepSpeed PipelineEngine",
+    "gpipe": "torch ScheduleGPipe",
+    "1f1b_torch": "torch Schedule1F1B",
+    "interleaved": "torch ScheduleInterleaved1F1B",
+}
 
 
 def report(rows: list[dict], model: list[str], load: tuple[float, float]) -> str:
     mb = 2**20
-    lines = [f"\n## Pipeline schedules, 2 CPU ranks x 1 thread, p = 2 stages, fp32 ({' '.join(model)})\n",
-             f"Machine load (1-minute average) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
-             f"{os.cpu_count()} cores.\n",
-             "| schedule | engine | m | step ms | t_micro ms | bubble measured | bubble theory "
-             "| saved MB stage 0 / 1 | in flight stage 0 / 1 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"\n## Pipeline schedules, 2 CPU ranks x 1 thread, p = 2 stages, fp32 ({' '.join(model)})\n",
+        f"Machine load (1-minute average) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
+        f"{os.cpu_count()} cores.\n",
+        "| schedule | engine | m | step ms | t_micro ms | bubble measured | bubble theory "
+        "| saved MB stage 0 / 1 | in flight stage 0 / 1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         flight = [s / u if u else float("nan") for s, u in zip(r["saved"], r["micro_saved"])]
         name = r["schedule"] + (f" (v={r['v']})" if r["v"] > 1 else "")
-        lines.append(f"| {name} | {ENGINES[r['schedule']]} | {r['m']} | {r['step'] * 1e3:.0f} | {r['t_micro'] * 1e3:.1f} "
-                     f"| {r['bubble']:.2f} | {r['theory']:.2f} | {r['saved'][0] / mb:.1f} / {r['saved'][-1] / mb:.1f} "
-                     f"| {flight[0]:.1f} / {flight[-1]:.1f} |")
+        lines.append(
+            f"| {name} | {ENGINES[r['schedule']]} | {r['m']} | {r['step'] * 1e3:.0f} | {r['t_micro'] * 1e3:.1f} "
+            f"| {r['bubble']:.2f} | {r['theory']:.2f} | {r['saved'][0] / mb:.1f} / {r['saved'][-1] / mb:.1f} "
+            f"| {flight[0]:.1f} / {flight[-1]:.1f} |"
+        )
     by = {(r["schedule"], r["m"]): r for r in rows}
-    lines += ["\nPeak saved activations, GPipe / 1F1B (torch, same run):\n",
-              "| m | stage 0 | stage 1 |", "| --- | --- | --- |"]
+    lines += [
+        "\nPeak saved activations, GPipe / 1F1B (torch, same run):\n",
+        "| m | stage 0 | stage 1 |",
+        "| --- | --- | --- |",
+    ]
     for m in sorted({r["m"] for r in rows}):
         g, f = by.get(("gpipe", m)), by.get(("1f1b_torch", m))
         if g and f:

@@ -8,21 +8,29 @@ Each arm is `python train.py` (the default job: gpt2-tiny, 128-token blocks, mic
 --steps steps; the step time is the median of the logged steps after the first. Prints, per CPU
 mode: the precision auto chose, step time and tokens/s of each arm, and their ratio.
 """
+
 import argparse
 import tempfile
 from pathlib import Path
 
 import yaml
 
-from common import DEFAULT_JOB_TOKENS_PER_STEP, NO_BF16, time_default_job  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import (  # benchmarks/common.py, first on sys.path: puts the repository on it
+    DEFAULT_JOB_TOKENS_PER_STEP,
+    NO_BF16,
+    time_default_job,
+)
 
 
 def run(out: Path, name: str, precision: str, steps: int, env: dict) -> dict:
     run_dir = out / name
     result = time_default_job(run_dir, [f"precision={precision}"], steps, env, untimed=1)
     chosen = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
-    return {"precision": chosen["precision"]["dtype"], "step_s": result["step_s"],
-            "tokens_per_s": DEFAULT_JOB_TOKENS_PER_STEP / result["step_s"]}
+    return {
+        "precision": chosen["precision"]["dtype"],
+        "step_s": result["step_s"],
+        "tokens_per_s": DEFAULT_JOB_TOKENS_PER_STEP / result["step_s"],
+    }
 
 
 def main() -> None:
@@ -37,7 +45,9 @@ def main() -> None:
         before = run(out, f"before-{len(env)}", "bf16", args.steps, env)
         after = run(out, f"after-{len(env)}", "auto", args.steps, env)
         for arm, result in (("before: precision=bf16 (the old default)", before), ("after: precision=auto", after)):
-            print(f"| {mode} | {arm} | {result['precision']} | {result['step_s']:.3f} | {result['tokens_per_s']:,.0f} |")
+            print(
+                f"| {mode} | {arm} | {result['precision']} | {result['step_s']:.3f} | {result['tokens_per_s']:,.0f} |"
+            )
         print(f"| {mode} | before / after step time | | {before['step_s'] / after['step_s']:.2f}x | |")
 
 

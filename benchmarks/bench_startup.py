@@ -12,6 +12,7 @@
 
 CPU seconds are the child's own (getrusage), so the figures hold on a busy machine too.
 """
+
 import argparse
 import json
 import os
@@ -32,20 +33,37 @@ IMPORTS = {
 ASKS = {
     "py-cpuinfo (DeepSpeed's ask)": "import cpuinfo; cpuinfo.get_cpu_info()",
     "lmrepo.cpuinfo_cache (kept)": "from lmrepo import cpuinfo_cache; cpuinfo_cache.install(); "
-                                   "import cpuinfo; cpuinfo.get_cpu_info()",
+    "import cpuinfo; cpuinfo.get_cpu_info()",
 }
-COUNT_ASKS = ("import cpuinfo, torch; asks = []; ask = cpuinfo.get_cpu_info\n"
-              "cpuinfo.get_cpu_info = lambda: asks.append(1) or ask()\n"
-              "from deepspeed.ops.adam import DeepSpeedCPUAdam\n"
-              "DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(1))]); print(len(asks))")
+COUNT_ASKS = (
+    "import cpuinfo, torch; asks = []; ask = cpuinfo.get_cpu_info\n"
+    "cpuinfo.get_cpu_info = lambda: asks.append(1) or ask()\n"
+    "from deepspeed.ops.adam import DeepSpeedCPUAdam\n"
+    "DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(1))]); print(len(asks))"
+)
 # train.py as it was before both changes: the same file, the two start-up savings made no-ops
-BEFORE = ("import gc, runpy, sys; gc.disable = gc.freeze = lambda: None\n"
-          "from lmrepo import cpuinfo_cache; cpuinfo_cache.install = lambda: None\n"
-          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+BEFORE = (
+    "import gc, runpy, sys; gc.disable = gc.freeze = lambda: None\n"
+    "from lmrepo import cpuinfo_cache; cpuinfo_cache.install = lambda: None\n"
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 AFTER = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32", "trainer.micro_batch_size=4",
-        "trainer.max_steps=3", "schedule.warmup_steps=1", "trainer.log_every=1", "trainer.eval_every=0",
-        "trainer.eval_batches=1", "logger=jsonl", "precision=fp32", "zero=stage2", "offload=cpu"]
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=3",
+    "schedule.warmup_steps=1",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "logger=jsonl",
+    "precision=fp32",
+    "zero=stage2",
+    "offload=cpu",
+]
 
 
 def cpu_seconds(args: list[str], env: dict) -> tuple[float, float, str]:
@@ -84,14 +102,18 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "LMREPO_CACHE": tmp, "PYTHONPATH": str(REPO)}
-        print_pair("1. Importing torch, transformers and lmrepo.run",
-                   side_by_side({k: ["-c", v] for k, v in IMPORTS.items()}, args.rounds, env))
+        print_pair(
+            "1. Importing torch, transformers and lmrepo.run",
+            side_by_side({k: ["-c", v] for k, v in IMPORTS.items()}, args.rounds, env),
+        )
         cpu_seconds(["-c", ASKS["lmrepo.cpuinfo_cache (kept)"]], env)  # the first process asks and keeps the answer
         asks = side_by_side({k: ["-c", v] for k, v in ASKS.items()}, args.rounds, env)
         print_pair("2. What is this CPU? (one ask; each process also pays `import cpuinfo`)", asks)
         counted = cpu_seconds(["-c", COUNT_ASKS], {**env, "DS_ACCELERATOR": "cpu"})[2].split()[-1]
-        print(f"  loading DeepSpeed's CPU Adam (offload=cpu) asks {counted} times: each rank of an offload run paid "
-              f"the first arm that often; with the cache, the machine's first process asks once")
+        print(
+            f"  loading DeepSpeed's CPU Adam (offload=cpu) asks {counted} times: each rank of an offload run paid "
+            f"the first arm that often; with the cache, the machine's first process asks once"
+        )
 
         def first_step(started: float) -> float:
             run_dir = Path(tmp) / "run"
@@ -100,12 +122,19 @@ def main() -> None:
             return seconds
 
         train = [str(REPO / "train.py"), *TINY, f"hydra.run.dir={Path(tmp) / 'run'}"]
-        runs = side_by_side({"before (both undone)": ["-c", BEFORE, *train], "after": ["-c", AFTER, *train]},
-                            args.rounds, env, after_each=first_step)
+        runs = side_by_side(
+            {"before (both undone)": ["-c", BEFORE, *train], "after": ["-c", AFTER, *train]},
+            args.rounds,
+            env,
+            after_each=first_step,
+        )
         print_pair("3. python train.py (tiny GPT-2, zero=stage2 offload=cpu, 3 steps): the whole process", runs)
         seconds = {name: statistics.median(s for *_, s in rows) for name, rows in runs.items()}
-        print("  start to first step: " + ", ".join(f"{name} {s:.2f} s" for name, s in seconds.items())
-              + f"; ratio {seconds['after'] / seconds['before (both undone)']:.2f}")
+        print(
+            "  start to first step: "
+            + ", ".join(f"{name} {s:.2f} s" for name, s in seconds.items())
+            + f"; ratio {seconds['after'] / seconds['before (both undone)']:.2f}"
+        )
 
 
 if __name__ == "__main__":

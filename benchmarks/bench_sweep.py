@@ -6,6 +6,7 @@ the same job inside a `-m` sweep of 4 jobs through lmrepo's launcher.
 Prints the sweep's wall time and, per job, the time from its start to its first training step
 against the direct run's (the launcher's overhead per job is the difference).
 """
+
 import argparse
 import json
 import subprocess
@@ -17,9 +18,19 @@ from pathlib import Path
 from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
 from lmrepo.launch import launch_command
 
-TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32", "trainer.micro_batch_size=4",
-        "trainer.max_steps=6", "schedule.warmup_steps=1", "trainer.log_every=1", "trainer.eval_every=0",
-        "trainer.eval_batches=2", "logger=jsonl"]
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=6",
+    "schedule.warmup_steps=1",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=2",
+    "logger=jsonl",
+]
 
 
 def first_step_time(run_dir: Path) -> float:
@@ -29,17 +40,33 @@ def first_step_time(run_dir: Path) -> float:
 def direct_run(out: Path, ranks: int) -> float:
     run_dir = out / "direct"
     started = time.time()
-    subprocess.run([*launch_command(ranks), str(REPO / "train.py"),
-                    *TINY, "zero=stage1", f"hydra.run.dir={run_dir}"], check=True, capture_output=True, cwd=out)
+    subprocess.run(
+        [*launch_command(ranks), str(REPO / "train.py"), *TINY, "zero=stage1", f"hydra.run.dir={run_dir}"],
+        check=True,
+        capture_output=True,
+        cwd=out,
+    )
     return first_step_time(run_dir) - started
 
 
 def sweep_run(out: Path, ranks: int) -> tuple[float, list[tuple[str, float]]]:
     sweep_dir = out / "sweep"
     started = time.time()
-    subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "zero=stage1,stage2", "precision=fp32,bf16",
-                    f"launcher.ranks={ranks}", *TINY, f"hydra.sweep.dir={sweep_dir}"],
-                   check=True, capture_output=True, cwd=out)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "-m",
+            "zero=stage1,stage2",
+            "precision=fp32,bf16",
+            f"launcher.ranks={ranks}",
+            *TINY,
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=out,
+    )
     wall = time.time() - started
     jobs = sorted((d for d in sweep_dir.iterdir() if d.is_dir()), key=lambda d: int(d.name))
     per_job = []

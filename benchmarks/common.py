@@ -17,6 +17,7 @@ and prints the table. Not part of the lmrepo package: the benchmarks import it a
 - `model_state_memory`: on each of 2 ranks, the bytes of the tensors each ZeRO stage keeps for
   parameters, gradients and optimizer states, counted from the engine's own tensors.
 """
+
 import gc
 import os
 import platform
@@ -52,8 +53,9 @@ def run_measured(cmd: list[str], run_dir: Path, env: dict | None = None) -> tupl
     for (a launcher's ranks): CPU seconds, peak resident memory."""
     with open(run_dir.with_suffix(".log"), "w") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=run_dir.parent, env={**os.environ, **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=run_dir.parent, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status):
@@ -66,16 +68,33 @@ def time_default_job(run_dir: Path, overrides: list[str], steps: int, env: dict,
     output in run_dir.log. Returns the median step time over the logged steps after the first
     `untimed` (they build kernels), the last loss, and the kernel's account of the process: system
     and user CPU seconds, peak resident memory."""
-    _, usage = run_measured([sys.executable, str(REPO / "train.py"), *overrides, f"trainer.max_steps={steps}",
-                             "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1", "logger=jsonl",
-                             f"hydra.run.dir={run_dir}"], run_dir, env)
+    _, usage = run_measured(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            *overrides,
+            f"trainer.max_steps={steps}",
+            "trainer.log_every=1",
+            "trainer.eval_every=0",
+            "trainer.eval_batches=1",
+            "logger=jsonl",
+            f"hydra.run.dir={run_dir}",
+        ],
+        run_dir,
+        env,
+    )
     logged = [m for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m][untimed:]
-    return {"step_s": statistics.median(DEFAULT_JOB_TOKENS_PER_STEP / m["tokens_per_s"] for m in logged),
-            "sys_s": usage.ru_stime, "user_s": usage.ru_utime, "peak_gb": usage.ru_maxrss / 2**20,
-            "loss": logged[-1]["loss"]}
+    return {
+        "step_s": statistics.median(DEFAULT_JOB_TOKENS_PER_STEP / m["tokens_per_s"] for m in logged),
+        "sys_s": usage.ru_stime,
+        "user_s": usage.ru_utime,
+        "peak_gb": usage.ru_maxrss / 2**20,
+        "loss": logged[-1]["loss"],
+    }
 
 
 # ---- the machine ----
+
 
 def machine() -> dict:
     """What the table was measured on."""
@@ -88,17 +107,31 @@ def machine() -> dict:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
         fields = {k.strip(): v.strip() for k, v in fields.items()}
-        cpu = " ".join(x for x in (fields.get("Model name"), f"(family {fields.get('CPU family')}, "
-                                   f"model {fields.get('Model')})" if "CPU family" in fields else None) if x)
+        cpu = " ".join(
+            x
+            for x in (
+                fields.get("Model name"),
+                f"(family {fields.get('CPU family')}, model {fields.get('Model')})" if "CPU family" in fields else None,
+            )
+            if x
+        )
         flags = fields.get("Flags", "").split()
         isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     except (OSError, subprocess.SubprocessError, ValueError):
         isa = []
-    return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-            "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu": cpu,
+        "isa": isa,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def measure_cpu_peak_tflops(dtype: str, seconds: float = 2.0, n: int = 2048) -> float:
@@ -123,11 +156,13 @@ def measure_cpu_peak_tflops(dtype: str, seconds: float = 2.0, n: int = 2048) -> 
 
 # ---- the same batches for every arm ----
 
+
 def step_batches(spec: dict) -> list[list[dict]]:
     """The micro batches of each optimizer step exactly as train.py's loop reads them (one rank)."""
     ds = spec["ds_config"]
-    layout = Layout(global_batch=ds["train_batch_size"], micro_batch=ds["train_micro_batch_size_per_gpu"],
-                    dp_rank=0, dp_size=1)
+    layout = Layout(
+        global_batch=ds["train_batch_size"], micro_batch=ds["train_micro_batch_size_per_gpu"], dp_rank=0, dp_size=1
+    )
     data = LMData(spec["sources"], spec["block_size"], "gpt2", None, layout, spec["seed"], eval_batches=1)
     return [data.train_step(step * layout.global_batch) for step in range(spec["steps"])]
 
@@ -152,6 +187,7 @@ def build(spec: dict):
 
 
 # ---- workers ----
+
 
 class BareArms:
     """Engines driven by the seeds' loop over the same batches, one optimizer step at a time:
@@ -202,7 +238,7 @@ def bare_loop(spec: dict) -> dict:
     arms = BareArms(spec, spec["arms"])
     block = spec.get("block", 1)
     for first in range(0, spec["steps"], block):
-        for arm in (spec["arms"] if first // block % 2 == 0 else spec["arms"][::-1]):
+        for arm in spec["arms"] if first // block % 2 == 0 else spec["arms"][::-1]:
             for _ in range(min(block, spec["steps"] - first)):
                 arms.step([arm])
     return {"bare": arms.result()}
@@ -234,8 +270,15 @@ def fit_and_bare(spec: dict) -> dict:
     arms = BareArms(spec, spec["arms"])
     global_batch, micro_batch, _ = batch_of(ds)
     layout = Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size)
-    data = LMData(spec["sources"], config.data.block_size, config.model.family, None, layout, config.trainer.seed,
-                  config.trainer.eval_batches)
+    data = LMData(
+        spec["sources"],
+        config.data.block_size,
+        config.model.family,
+        None,
+        layout,
+        config.trainer.seed,
+        config.trainer.eval_batches,
+    )
     run_dir = Path(spec["out_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     records, bare_seconds = [], []
@@ -254,8 +297,7 @@ def fit_and_bare(spec: dict) -> dict:
             self.sinks.finish()
 
     sinks = WithBareStep(build_sinks(config.logger, run_dir, spec["config"], ds))
-    fit(engine, data, config.trainer, throughput_of(config, ds, device), sinks, TrainState(), None, None,
-        True)
+    fit(engine, data, config.trainer, throughput_of(config, ds, device), sinks, TrainState(), None, None, True)
     sinks.finish()
     elapsed = [0.0] + [r["elapsed_s"] for r in records]
     times = [b - a - (bare_seconds[k - 1] if k else 0.0) for k, (a, b) in enumerate(zip(elapsed, elapsed[1:]))]
@@ -272,8 +314,12 @@ def hf_trainer(spec: dict) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     ds = spec["ds_config"]
-    samples = [{"input_ids": row, "labels": row}
-               for micro_batches in step_batches(spec) for batch in micro_batches for row in batch["input_ids"]]
+    samples = [
+        {"input_ids": row, "labels": row}
+        for micro_batches in step_batches(spec)
+        for batch in micro_batches
+        for row in batch["input_ids"]
+    ]
 
     class InOrder(torch.utils.data.IterableDataset):  # iterable: the Trainer does not shuffle it
         def __iter__(self):
@@ -283,15 +329,27 @@ def hf_trainer(spec: dict) -> dict:
     adam = ds["optimizer"]["params"]
     cpu = not torch.cuda.is_available()
     args = TrainingArguments(
-        output_dir=spec["out_dir"], deepspeed=ds, max_steps=spec["steps"],
+        output_dir=spec["out_dir"],
+        deepspeed=ds,
+        max_steps=spec["steps"],
         per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=ds["gradient_accumulation_steps"], learning_rate=adam["lr"],
-        adam_beta1=adam["betas"][0], adam_beta2=adam["betas"][1], adam_epsilon=adam["eps"],
-        weight_decay=adam.get("weight_decay", 0.0), max_grad_norm=ds.get("gradient_clipping", 0.0),
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        learning_rate=adam["lr"],
+        adam_beta1=adam["betas"][0],
+        adam_beta2=adam["betas"][1],
+        adam_epsilon=adam["eps"],
+        weight_decay=adam.get("weight_decay", 0.0),
+        max_grad_norm=ds.get("gradient_clipping", 0.0),
         warmup_steps=ds["scheduler"]["params"].get("warmup_num_steps", 0),
-        bf16=ds.get("bf16", {}).get("enabled", False), use_cpu=cpu,  # bf16 off the GPU needs use_cpu
-        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, seed=spec["seed"])
+        bf16=ds.get("bf16", {}).get("enabled", False),
+        use_cpu=cpu,  # bf16 off the GPU needs use_cpu
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=spec["seed"],
+    )
     model = model_of(spec)
     arms = BareArms(spec, spec["arms"])
     times = []
@@ -307,12 +365,19 @@ def hf_trainer(spec: dict) -> dict:
 
     trainer = Trainer(model=model, args=args, train_dataset=InOrder(), callbacks=[BareStepAfterEach()])
     output = trainer.train()
-    return {"hf": {"times": times, "mean_loss": output.training_loss,
-                   "engine": type(trainer.model_wrapped).__name__, "use_cpu": cpu},
-            "bare": arms.result()}
+    return {
+        "hf": {
+            "times": times,
+            "mean_loss": output.training_loss,
+            "engine": type(trainer.model_wrapped).__name__,
+            "use_cpu": cpu,
+        },
+        "bare": arms.result(),
+    }
 
 
 # ---- model-state memory: an accounting of the tensors each rank holds ----
+
 
 def _reachable(obj, path: str, found: list, seen: set, depth: int = 0) -> None:
     """(path, tensor) for every tensor reachable from `obj` through containers and the attributes
@@ -335,8 +400,11 @@ def _reachable(obj, path: str, found: list, seen: set, depth: int = 0) -> None:
     elif isinstance(obj, (list, tuple, set)):
         for i, value in enumerate(obj):
             _reachable(value, f"{path}[{i}]", found, seen, depth + 1)
-    elif (hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module)
-          and type(obj).__module__.startswith(("deepspeed", "torch.optim"))):
+    elif (
+        hasattr(obj, "__dict__")
+        and not isinstance(obj, torch.nn.Module)
+        and type(obj).__module__.startswith(("deepspeed", "torch.optim"))
+    ):
         for name, value in vars(obj).items():
             _reachable(value, f"{path}.{name}", found, seen, depth + 1)
 
@@ -363,9 +431,11 @@ def held_bytes(engine) -> dict:
         return default
 
     totals, owner = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}, {}
-    ranked = ([(kind_of(p, "params"), t) for p, t in params]
-              + [("optimizer", t) for _, t in stepped]
-              + [(kind_of(p, "buffers"), t) for p, t in everything])
+    ranked = (
+        [(kind_of(p, "params"), t) for p, t in params]
+        + [("optimizer", t) for _, t in stepped]
+        + [(kind_of(p, "buffers"), t) for p, t in everything]
+    )
     order = ["params", "optimizer", "grads", "buffers"]
     for kind, tensor in sorted(ranked, key=lambda kt: order.index(kt[0])):
         if tensor.device.type == "meta" or tensor.numel() == 0:
@@ -394,8 +464,12 @@ def model_state_memory(spec: dict) -> list[dict]:
             run = {**spec, "model": model_spec["model"], "ds_config": ds}
             engine = build(run)
             micro, block = spec.get("tokens") or (ds["train_micro_batch_size_per_gpu"], spec["block_size"])
-            ids = torch.randint(0, model_spec["model"]["vocab_size"], (micro, block),
-                                generator=torch.Generator().manual_seed(spec["seed"] + dist.get_rank()))
+            ids = torch.randint(
+                0,
+                model_spec["model"]["vocab_size"],
+                (micro, block),
+                generator=torch.Generator().manual_seed(spec["seed"] + dist.get_rank()),
+            )
             for step in range(2):
                 loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)
@@ -404,9 +478,18 @@ def model_state_memory(spec: dict) -> list[dict]:
                 engine.step()
             params = model_spec["params"]
             dtype = next((k for k in ("bf16", "fp16") if ds.get(k, {}).get("enabled")), "fp32")
-            rows.append({"model": model_spec["label"], "stage": int(stage), "rank": dist.get_rank(),
-                         "world": dist.get_world_size(), "dtype": dtype, "n_params": params,
-                         "group_sizes": model_spec["group_sizes"], **held})
+            rows.append(
+                {
+                    "model": model_spec["label"],
+                    "stage": int(stage),
+                    "rank": dist.get_rank(),
+                    "world": dist.get_world_size(),
+                    "dtype": dtype,
+                    "n_params": params,
+                    "group_sizes": model_spec["group_sizes"],
+                    **held,
+                }
+            )
             engine.destroy()
             del engine
             gc.collect()

@@ -13,6 +13,7 @@
 - Resuming on another data-parallel size goes through DeepSpeed's universal checkpoint
   (ds_to_universal, then `checkpoint.load_universal`), converted once, automatically.
 """
+
 import hashlib
 import json
 import os
@@ -58,10 +59,17 @@ def rng_state() -> dict:
     """This rank's RNG states as tensors and numbers: loadable weights-only."""
     version, keys, gauss = random.getstate()
     kind, state, pos, has_gauss, cached = np.random.get_state()
-    rng = {"python": {"version": version, "state": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
-           "numpy": {"kind": kind, "state": torch.from_numpy(state.astype(np.int64)), "pos": int(pos),
-                     "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-           "torch": torch.get_rng_state()}
+    rng = {
+        "python": {"version": version, "state": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "state": torch.from_numpy(state.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     return rng
@@ -74,8 +82,15 @@ def set_rng_state(rng: dict) -> None:
         np.random.set_state(numpy)
     else:
         random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
-        np.random.set_state((numpy["kind"], numpy["state"].numpy().astype(np.uint32), numpy["pos"],
-                             numpy["has_gauss"], numpy["cached_gaussian"]))
+        np.random.set_state(
+            (
+                numpy["kind"],
+                numpy["state"].numpy().astype(np.uint32),
+                numpy["pos"],
+                numpy["has_gauss"],
+                numpy["cached_gaussian"],
+            )
+        )
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
@@ -106,14 +121,20 @@ def write_manifest(tag_dir: Path) -> int:
     return sum(size for share in shares for size, _ in share.values())
 
 
-def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict,
-         tokenizer_size: int) -> tuple[str, float, int]:
+def save(
+    engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int
+) -> tuple[str, float, int]:
     """Every rank writes its files of checkpoint step_N, synced and recorded in its manifest;
     nothing names it yet (promote). Returns the tag, the seconds the manifest took (fsync and
     checksums: the price of durability, logged as checkpoint_sync_s) and the checkpoint's bytes."""
     tag = tag_for(state.step)
-    client_state = {"step": state.step, "consumed": state.consumed, "dp_size": engine.dp_size,
-                    "config": config, "tokenizer_size": tokenizer_size}
+    client_state = {
+        "step": state.step,
+        "consumed": state.consumed,
+        "dp_size": engine.dp_size,
+        "config": config,
+        "tokenizer_size": tokenizer_size,
+    }
     if dist.get_rank() == 0 and (checkpoint_dir / tag).exists():
         shutil.rmtree(checkpoint_dir / tag)  # a crashed run's unconfirmed save of this step: its files must not mix in
     dist.barrier()
@@ -127,11 +148,15 @@ def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict,
     except Exception as err:
         if (reason := disk_error(err) or write_failure(err, checkpoint_dir)) is None:
             raise
-        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # never half a checkpoint; `latest` still names a whole one
+        shutil.rmtree(
+            checkpoint_dir / tag, ignore_errors=True
+        )  # never half a checkpoint; `latest` still names a whole one
         latest = checkpoint_dir / "latest"
         kept = f"{latest.read_text().strip()} is intact" if latest.is_file() else "there is no earlier checkpoint"
-        raise TrainingError(f"saving checkpoint {checkpoint_dir / tag} failed: {reason}; {kept}: free space, then "
-                            "resume with run.resume=auto") from None
+        raise TrainingError(
+            f"saving checkpoint {checkpoint_dir / tag} failed: {reason}; {kept}: free space, then "
+            "resume with run.resume=auto"
+        ) from None
     return tag, sync_s, size
 
 
@@ -163,8 +188,9 @@ class Checkpointer:
     count it. A non-finite loss discards the checkpoint on probation instead, so NaN weights
     are never what `latest` names and never push a good checkpoint out."""
 
-    def __init__(self, engine: Engine, checkpoint_dir: Path, config: dict, tokenizer_size: int, keep_last: int,
-                 on_saved=None):
+    def __init__(
+        self, engine: Engine, checkpoint_dir: Path, config: dict, tokenizer_size: int, keep_last: int, on_saved=None
+    ):
         self.engine, self.directory, self.config = engine, checkpoint_dir, config
         self.tokenizer_size, self.keep_last, self.on_saved = tokenizer_size, keep_last, on_saved
         self.pending: str | None = None
@@ -202,6 +228,7 @@ def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
 
 # --- finding and checking (before any process group) ---------------------------------------
 
+
 @dataclass
 class Resume:
     directory: Path
@@ -209,7 +236,7 @@ class Resume:
     step: int
     consumed: int
     dp_size: int
-    partitioned: bool   # ZeRO (or bf16) optimizer state cut per data-parallel rank
+    partitioned: bool  # ZeRO (or bf16) optimizer state cut per data-parallel rank
     universal: bool = False
     ds_config: dict = field(default_factory=dict)  # the DeepSpeed dict it was written with (empty: a torch pipeline's)
 
@@ -228,8 +255,10 @@ def find(resume: str | None, checkpoint_dir: Path) -> tuple[Path, str] | None:
         return path, (path / "latest").read_text().strip()
     if model_states_file(path):
         return path.parent, path.name
-    raise ConfigError(f"run.resume={resume} is not a checkpoint: point it at a run directory, its checkpoints/ "
-                      "or a checkpoints/<tag> directory")
+    raise ConfigError(
+        f"run.resume={resume} is not a checkpoint: point it at a run directory, its checkpoints/ "
+        "or a checkpoints/<tag> directory"
+    )
 
 
 def check_files(tag_dir: Path) -> Path:
@@ -238,23 +267,28 @@ def check_files(tag_dir: Path) -> Path:
     file is missing its end)."""
     states = model_states_file(tag_dir)
     if states is None:
-        raise ConfigError(f"checkpoint {tag_dir} has no model states file: it is incomplete; resume from another "
-                          "(run.resume=PATH) or start fresh")
+        raise ConfigError(
+            f"checkpoint {tag_dir} has no model states file: it is incomplete; resume from another "
+            "(run.resume=PATH) or start fresh"
+        )
     manifest = read_manifest(tag_dir)
     if manifest is None:
         for f in tag_dir.glob("*.pt"):
             # torch.save writes a zip archive; a truncated one has lost its central directory.
             if not zipfile.is_zipfile(f):
-                raise ConfigError(f"checkpoint file {f} is truncated or corrupt: resume from another checkpoint "
-                                  "(run.resume=PATH)")
+                raise ConfigError(
+                    f"checkpoint file {f} is truncated or corrupt: resume from another checkpoint (run.resume=PATH)"
+                )
         return states
     for name, (size, _) in manifest.items():
         path = tag_dir / name
         if not path.is_file():
             raise ConfigError(f"checkpoint file {path} is missing: resume from another checkpoint (run.resume=PATH)")
         if path.stat().st_size != size:
-            raise ConfigError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were saved: it is "
-                              "truncated or overwritten; resume from another checkpoint (run.resume=PATH)")
+            raise ConfigError(
+                f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were saved: it is "
+                "truncated or overwritten; resume from another checkpoint (run.resume=PATH)"
+            )
     return states
 
 
@@ -275,25 +309,35 @@ def verify(resume: "Resume") -> None:
     tag_dir = resume.directory / resume.tag
     manifest = read_manifest(tag_dir) or {}
     names = sorted(manifest)
-    bad = [name for name in names[dist.get_rank()::dist.get_world_size()]
-           if file_record(tag_dir / name)[1] != manifest[name][1]]
+    bad = [
+        name
+        for name in names[dist.get_rank() :: dist.get_world_size()]
+        if file_record(tag_dir / name)[1] != manifest[name][1]
+    ]
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, bad)
     damaged = sorted(name for verdict in verdicts for name in verdict)
     if damaged:
-        raise ConfigError(f"checkpoint file {tag_dir / damaged[0]} differs from what was saved (checksum): it is "
-                          "corrupt; resume from another checkpoint (run.resume=PATH)")
+        raise ConfigError(
+            f"checkpoint file {tag_dir / damaged[0]} differs from what was saved (checksum): it is "
+            "corrupt; resume from another checkpoint (run.resume=PATH)"
+        )
 
 
 def pipeline_layout(pipeline: PipelineConfig) -> dict:
     """What fixes which files a checkpoint has: the pipeline engine, its stages and the layer split.
     Schedules of one engine share the layout (gpipe <-> 1f1b_torch resume each other)."""
-    return {"engine": pipeline.engine, "stages": pipeline.stages, "virtual_stages": pipeline.virtual_stages,
-            "partition": pipeline.partition}
+    return {
+        "engine": pipeline.engine,
+        "stages": pipeline.stages,
+        "virtual_stages": pipeline.virtual_stages,
+        "partition": pipeline.partition,
+    }
 
 
-def inspect(directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: int,
-            pipeline_cfg: PipelineConfig | None = None) -> Resume:
+def inspect(
+    directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: int, pipeline_cfg: PipelineConfig | None = None
+) -> Resume:
     """Reads the checkpoint's client state and refuses one this run cannot continue."""
     tag_dir = directory / tag
     states_file = check_files(tag_dir)
@@ -302,33 +346,59 @@ def inspect(directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: i
     except ConfigError:
         raise
     except Exception as err:  # unpickling errors of many kinds
-        raise ConfigError(f"checkpoint {states_file} cannot be read ({type(err).__name__}): "
-                          "resume from another checkpoint") from None
+        raise ConfigError(
+            f"checkpoint {states_file} cannot be read ({type(err).__name__}): resume from another checkpoint"
+        ) from None
     if "consumed" not in states or "config" not in states:
-        raise ConfigError(f"checkpoint {tag_dir} was not written by lmrepo (no training position): "
-                          "point run.resume at an lmrepo checkpoint")
+        raise ConfigError(
+            f"checkpoint {tag_dir} was not written by lmrepo (no training position): "
+            "point run.resume at an lmrepo checkpoint"
+        )
     saved = states["config"]["model"]
-    shape_keys = ("family", "n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_inner", "n_kv_head",
-                  "tie_embeddings", "pretrained")
+    shape_keys = (
+        "family",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "n_positions",
+        "vocab_size",
+        "n_inner",
+        "n_kv_head",
+        "tie_embeddings",
+        "pretrained",
+    )
     # A key the checkpoint's config does not have (older lmrepo) is the schema's default.
     saved_model = from_dict(ModelConfig, saved)
     differs = [k for k in shape_keys if getattr(saved_model, k) != getattr(model_cfg, k)]
     if differs:
-        raise ConfigError(f"checkpoint {tag_dir} is of another model ({', '.join(f'model.{k}={saved.get(k)}' for k in differs)}): "
-                          "resume with the same model settings or point run.resume elsewhere")
+        raise ConfigError(
+            f"checkpoint {tag_dir} is of another model ({', '.join(f'model.{k}={saved.get(k)}' for k in differs)}): "
+            "resume with the same model settings or point run.resume elsewhere"
+        )
     saved_vocab = states.get("tokenizer_size")
     if saved_vocab is not None and saved_vocab != tokenizer_size:
-        raise ConfigError(f"checkpoint {tag_dir} was trained with a {saved_vocab}-token vocabulary, this run's tokenizer "
-                          f"has {tokenizer_size}: use the same model.tokenizer")
+        raise ConfigError(
+            f"checkpoint {tag_dir} was trained with a {saved_vocab}-token vocabulary, this run's tokenizer "
+            f"has {tokenizer_size}: use the same model.tokenizer"
+        )
     saved_layout = pipeline_layout(from_dict(PipelineConfig, states["config"].get("pipeline") or {}))
     layout = pipeline_layout(pipeline_cfg or PipelineConfig())
     if pipeline_cfg is not None and saved_layout != layout:
         differs = ", ".join(f"pipeline.{k}={v}" for k, v in saved_layout.items() if layout[k] != v)
-        raise ConfigError(f"checkpoint {tag_dir} was saved with another pipeline layout ({differs}): resume with the "
-                          "same pipeline settings, or export it (scripts/export_hf.py) and start from model.pretrained")
+        raise ConfigError(
+            f"checkpoint {tag_dir} was saved with another pipeline layout ({differs}): resume with the "
+            "same pipeline settings, or export it (scripts/export_hf.py) and start from model.pretrained"
+        )
     partitioned = any(tag_dir.glob("*zero_pp_rank_*"))
-    return Resume(directory, tag, int(states["step"]), int(states["consumed"]), int(states["dp_size"]), partitioned,
-                  ds_config=states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {})
+    return Resume(
+        directory,
+        tag,
+        int(states["step"]),
+        int(states["consumed"]),
+        int(states["dp_size"]),
+        partitioned,
+        ds_config=states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {},
+    )
 
 
 def prepare_universal(resume: Resume, dp_size: int) -> Resume:
@@ -341,14 +411,28 @@ def prepare_universal(resume: Resume, dp_size: int) -> Resume:
     with FileLock(str(target) + ".lock"):
         if not (target / "done").exists():
             shutil.rmtree(target, ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "lmrepo.safe_load", "deepspeed.checkpoint.ds_to_universal",
-                                   "--input_folder", str(source), "--output_folder", str(target),
-                                   "--inject_missing_state"], capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "lmrepo.safe_load",
+                    "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder",
+                    str(source),
+                    "--output_folder",
+                    str(target),
+                    "--inject_missing_state",
+                ],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
                 shutil.rmtree(target, ignore_errors=True)
                 last_line = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                raise ConfigError(f"converting {source} for {dp_size} data-parallel ranks (it was saved on "
-                                  f"{resume.dp_size}) failed: {last_line}")
+                raise ConfigError(
+                    f"converting {source} for {dp_size} data-parallel ranks (it was saved on "
+                    f"{resume.dp_size}) failed: {last_line}"
+                )
             (target / "done").write_text("")
     return replace(resume, tag=target.name, universal=True)
 

@@ -1,5 +1,6 @@
 """Compare finished runs: one row per job (from run directories on disk, or from W&B) as a
 markdown table, plus loss, throughput and memory plots. Used by scripts/compare.py."""
+
 import json
 import re
 import statistics
@@ -21,21 +22,25 @@ class CompareError(Exception):
 
 @dataclass
 class Job:
-    label: str                      # fallback name: where the job came from
-    overrides: list[str] | None     # None when unknown (the job died before writing .hydra/)
+    label: str  # fallback name: where the job came from
+    overrides: list[str] | None  # None when unknown (the job died before writing .hydra/)
     metrics: list[dict] = field(default_factory=list)
     status: dict = field(default_factory=dict)
-    name: str = ""                  # set by name_jobs: what differs from the other jobs
+    name: str = ""  # set by name_jobs: what differs from the other jobs
 
 
 # ---- reading run directories ----
+
 
 def find_run_dirs(root: Path) -> list[Path]:
     """Run dirs under `root` (itself included), in job order: 0, 1, ..., 10 (not 0, 1, 10)."""
     if any((root / marker).exists() for marker in RUN_MARKERS):
         return [root]  # don't descend: checkpoints/ and wandb/ inside a run are not jobs
     children = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
-    natural = lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+    def natural(p: Path) -> list:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
     return [run for child in sorted(children, key=natural) for run in find_run_dirs(child)]
 
 
@@ -90,6 +95,7 @@ def load_dirs(dirs: list[Path]) -> list[Job]:
 
 # ---- reading W&B ----
 
+
 def _flatten(config: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in config.items():
@@ -114,12 +120,21 @@ def load_wandb(path: str) -> list[Job]:
         runs = list(api.runs("/".join(parts[:2]), filters={"group": parts[2]} if len(parts) == 3 else {}))
         jobs = []
         for run in runs:
-            config = {k: v for k, v in _flatten(dict(run.config)).items()
-                      if not k.startswith(("_", "ds_config.", "run.", "logger."))}
+            config = {
+                k: v
+                for k, v in _flatten(dict(run.config)).items()
+                if not k.startswith(("_", "ds_config.", "run.", "logger."))
+            }
             history = [{**row, "step": row.get("_step")} for row in run.history(samples=100_000, pandas=False)]
             state = {"finished": "completed"}.get(run.state, run.state)
-            jobs.append(Job(run.name, [f"{k}={v}" for k, v in config.items()], history,
-                            {"status": state, "wall_s": run.summary.get("_runtime")}))
+            jobs.append(
+                Job(
+                    run.name,
+                    [f"{k}={v}" for k, v in config.items()],
+                    history,
+                    {"status": state, "wall_s": run.summary.get("_runtime")},
+                )
+            )
     except Exception as err:  # wandb raises many kinds (auth, network, usage): all mean "cannot read"
         raise CompareError(f"--wandb {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     if not jobs:
@@ -128,6 +143,7 @@ def load_wandb(path: str) -> list[Job]:
 
 
 # ---- rows ----
+
 
 def name_jobs(jobs: list[Job]) -> None:
     """A job's name is its overrides that not every job shares (`zero=stage2 offload=cpu`);
@@ -160,12 +176,20 @@ def summarize(job: Job) -> dict:
     mem = [m["mem_gb"] for m in train if m.get("mem_gb") is not None]
     steps = [m["step"] for m in job.metrics if m.get("step") is not None]
     wall = job.status.get("wall_s") or (job.metrics[-1].get("elapsed_s") if job.metrics else None)
-    return {"job": job.name, "final loss": train[-1]["loss"] if train else None,
-            "eval loss": evals[-1]["eval_loss"] if evals else None,
-            "tokens/s": median("tokens_per_s"), "TFLOP/s": median("tflops"), "MFU": median("mfu"),
-            "peak mem GB": max(mem) if mem else None, "steps": max(steps) if steps else None,
-            "wall s": wall, "status": job.status.get("status", "unknown"), "error": job.status.get("error"),
-            **downstream(job.metrics)}
+    return {
+        "job": job.name,
+        "final loss": train[-1]["loss"] if train else None,
+        "eval loss": evals[-1]["eval_loss"] if evals else None,
+        "tokens/s": median("tokens_per_s"),
+        "TFLOP/s": median("tflops"),
+        "MFU": median("mfu"),
+        "peak mem GB": max(mem) if mem else None,
+        "steps": max(steps) if steps else None,
+        "wall s": wall,
+        "status": job.status.get("status", "unknown"),
+        "error": job.status.get("error"),
+        **downstream(job.metrics),
+    }
 
 
 def downstream(metrics: list[dict]) -> dict:
@@ -176,8 +200,16 @@ def downstream(metrics: list[dict]) -> dict:
 
 # ---- the table ----
 
-FORMATS = {"final loss": "{:.4f}", "eval loss": "{:.4f}", "tokens/s": "{:.0f}", "TFLOP/s": "{:.4g}",
-           "MFU": "{:.2%}", "peak mem GB": "{:.2f}", "steps": "{}", "wall s": "{:.1f}"}
+FORMATS = {
+    "final loss": "{:.4f}",
+    "eval loss": "{:.4f}",
+    "tokens/s": "{:.0f}",
+    "TFLOP/s": "{:.4g}",
+    "MFU": "{:.2%}",
+    "peak mem GB": "{:.2f}",
+    "steps": "{}",
+    "wall s": "{:.1f}",
+}
 
 
 def _cell(row: dict, column: str) -> str:
@@ -205,6 +237,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 # ---- the plots ----
 
+
 def _save(fig, path: Path, title: str, xlabel: str, ylabel: str) -> None:
     ax = fig.axes[0]
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
@@ -222,13 +255,19 @@ def plot_losses(jobs: list[Job], out: Path, x: str, filename: str, xlabel: str) 
         train, evals = _series(job.metrics, "loss"), _series(job.metrics, "eval_loss")
         train, evals = [m for m in train if m.get(x) is not None], [m for m in evals if m.get(x) is not None]
         if train:
-            line, = ax.plot([m[x] for m in train], [m["loss"] for m in train], label=job.name)
+            (line,) = ax.plot([m[x] for m in train], [m["loss"] for m in train], label=job.name)
             color = line.get_color()  # eval loss in the job's colour, dashed
         else:
             color = None
         if evals:
-            ax.plot([m[x] for m in evals], [m["eval_loss"] for m in evals], "--o", color=color,
-                    markersize=3, label=f"{job.name} (eval)")
+            ax.plot(
+                [m[x] for m in evals],
+                [m["eval_loss"] for m in evals],
+                "--o",
+                color=color,
+                markersize=3,
+                label=f"{job.name} (eval)",
+            )
     _save(fig, out / filename, f"loss vs {xlabel}", xlabel, "loss")
     plt.close(fig)
 
@@ -245,6 +284,7 @@ def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: s
 
 
 # ---- everything ----
+
 
 def report(jobs: list[Job], out: Path) -> str:
     """Writes out/compare.md and the four plots; returns the table."""
@@ -300,14 +340,29 @@ def trials_table(study, plot: str) -> str:
     trials = study.get_trials(deepcopy=False)
     params = sorted({name for trial in trials for name in trial.params})
     columns = ["trial", "state", "objective", *params]
-    lines = [f"\n### Study {study.study_name} ({study.direction.name.lower()}, {len(trials)} trials)\n",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [
+        f"\n### Study {study.study_name} ({study.direction.name.lower()}, {len(trials)} trials)\n",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
     for trial in trials:
-        cells = [str(trial.number), trial.state.name.lower(), _param(trial.value), *(_param(trial.params.get(p)) for p in params)]
+        cells = [
+            str(trial.number),
+            trial.state.name.lower(),
+            _param(trial.value),
+            *(_param(trial.params.get(p)) for p in params),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     best = _best_trial(study)
-    lines.append("\nbest: " + (f"trial {best.number}, objective {best.value:.4f}: "
-                                + " ".join(f"{k}={_param(v)}" for k, v in best.params.items()) if best else "none (no trial completed)"))
+    lines.append(
+        "\nbest: "
+        + (
+            f"trial {best.number}, objective {best.value:.4f}: "
+            + " ".join(f"{k}={_param(v)}" for k, v in best.params.items())
+            if best
+            else "none (no trial completed)"
+        )
+    )
     return "\n".join(lines) + f"\n\n![trials]({plot})\n"
 
 
@@ -322,8 +377,12 @@ def plot_trials(study, out: Path, filename: str) -> None:
     pick = max if study.direction.name == "MAXIMIZE" else min
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.plot([t.number for t in done], [t.value for t in done], "o", label="trial")
-    ax.step([t.number for t in done], list(itertools.accumulate([t.value for t in done], pick)), where="post",
-            label="best so far")
+    ax.step(
+        [t.number for t in done],
+        list(itertools.accumulate([t.value for t in done], pick)),
+        where="post",
+        label="best so far",
+    )
     for i, trial in enumerate(t for t in trials if t.state.name == "FAIL"):
         ax.axvline(trial.number, color="red", alpha=0.3, label=None if i else "failed")
     _save(fig, out / filename, f"study {study.study_name}: objective per trial", "trial", "objective")

@@ -1,4 +1,5 @@
 """The composed config outside a running train.py (scripts, tests): Hydra's compose API over conf/."""
+
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir

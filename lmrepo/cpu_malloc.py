@@ -12,6 +12,7 @@ measures it: the default job's step and peak resident memory, side by side.
 Left alone when the user chose the allocator: an allocator in LD_PRELOAD, glibc's malloc
 thresholds in GLIBC_TUNABLES or MALLOC_*_THRESHOLD_, or `run.cpu_keep_freed_memory=false`.
 """
+
 import ctypes
 import os
 
@@ -23,9 +24,11 @@ THRESHOLD_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshol
 
 
 def user_chose_allocator(env=os.environ) -> bool:
-    return ("malloc" in env.get("LD_PRELOAD", "")  # jemalloc, tcmalloc, mimalloc
-            or any(name in env for name in THRESHOLD_ENV)
-            or any(name in env.get("GLIBC_TUNABLES", "") for name in THRESHOLD_TUNABLES))
+    return (
+        "malloc" in env.get("LD_PRELOAD", "")  # jemalloc, tcmalloc, mimalloc
+        or any(name in env for name in THRESHOLD_ENV)
+        or any(name in env.get("GLIBC_TUNABLES", "") for name in THRESHOLD_TUNABLES)
+    )
 
 
 def is_glibc() -> bool:

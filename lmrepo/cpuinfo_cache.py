@@ -6,6 +6,7 @@ Python process that times the clock: ~1.1 CPU-s, so every rank of an `offload=cp
 3.3 s later. The answer only depends on the processor: it is kept in lmrepo's cache directory,
 named after what /proc/cpuinfo says of the processor, and read back by every later process.
 """
+
 import contextlib
 import functools
 import hashlib

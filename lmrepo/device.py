@@ -6,6 +6,7 @@ capability 8.0 and newer (Ampere), CPUs whose bf16 matmuls go to oneDNN's native
 path (measured on an AVX2-only AMD EPYC: 0.001 TFLOP/s in bf16 against 0.07 in fp32), while
 DeepSpeed's CPU accelerator still reports bf16 as supported.
 """
+
 import os
 import platform
 import time
@@ -18,11 +19,11 @@ from lmrepo.errors import ConfigError
 
 @dataclass(frozen=True)
 class Device:
-    type: str            # "cuda", "cpu", ...
-    fp16: bool           # DeepSpeed accepts fp16 here (GPUs)
-    bf16: bool           # DeepSpeed accepts bf16 here
-    native_bf16: bool    # bf16 matmuls run at full speed
-    description: str     # what the start-up line says about it, e.g. "NVIDIA A100 (compute capability 8.0)"
+    type: str  # "cuda", "cpu", ...
+    fp16: bool  # DeepSpeed accepts fp16 here (GPUs)
+    bf16: bool  # DeepSpeed accepts bf16 here
+    native_bf16: bool  # bf16 matmuls run at full speed
+    description: str  # what the start-up line says about it, e.g. "NVIDIA A100 (compute capability 8.0)"
 
 
 def detect_device(requested: str) -> Device:
@@ -38,7 +39,10 @@ def detect_device(requested: str) -> Device:
     bf16 = bool(acc.is_bf16_supported())
     if kind == "cuda":
         major, minor = torch.cuda.get_device_capability()
-        native, description = bf16 and major >= 8, f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+        native, description = (
+            bf16 and major >= 8,
+            f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})",
+        )
     elif kind == "cpu":
         native, description = bf16 and cpu_native_bf16(), cpu_description()
     else:  # XPU, HPU, NPU, MPS: their accelerators know
@@ -73,8 +77,14 @@ def isolate_compile_cache() -> None:
 
 
 def cpu_description() -> str:
-    features = [name for name, present in (("AMX", torch.cpu._is_amx_tile_supported()),
-                                           ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if present]
+    features = [
+        name
+        for name, present in (
+            ("AMX", torch.cpu._is_amx_tile_supported()),
+            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+        )
+        if present
+    ]
     isa = torch.backends.cpu.get_cpu_capability()
     native = "native bf16" if cpu_native_bf16() else "no native bf16"
     return f"CPU ({isa}{', ' + ', '.join(features) if features else ''}: {native})"
@@ -105,5 +115,8 @@ def choose_precision(requested: str, device: Device) -> tuple[str, str | None]:
             cost = f"bf16 matmuls run at {bf16:.4f} TFLOP/s here against {fp32:.4f} in fp32 (measured now)"
         else:
             cost = "bf16 is emulated there, slower than fp32"
-        return "bf16", f"lmrepo: warning: precision=bf16 on {device.description}: {cost}; precision=auto would train in fp32"
+        return (
+            "bf16",
+            f"lmrepo: warning: precision=bf16 on {device.description}: {cost}; precision=auto would train in fp32",
+        )
     return requested, None

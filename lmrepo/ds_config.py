@@ -1,6 +1,20 @@
 """Loaded config -> DeepSpeed config dict. Pure: no I/O, no process group, unit-tested per option."""
-from lmrepo.config import (CheckpointingConfig, Decay, Dtype, OffloadConfig, OffloadTarget, OptimizerConfig,
-                           PrecisionConfig, ScheduleConfig, TPConfig, TPMode, TrainConfig, ZeroConfig, to_dict)
+
+from lmrepo.config import (
+    CheckpointingConfig,
+    Decay,
+    Dtype,
+    OffloadConfig,
+    OffloadTarget,
+    OptimizerConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    TPConfig,
+    TPMode,
+    TrainConfig,
+    ZeroConfig,
+    to_dict,
+)
 from lmrepo.config.parallel import CheckpointingImpl
 from lmrepo.config.training import OptimizerName
 from lmrepo.errors import ConfigError
@@ -17,11 +31,15 @@ def resolve_batch(global_batch: int | None, micro: int | None, accum: int | None
     if micro is not None and accum is not None:
         if micro * accum * dp_size != global_batch:
             per_step = micro * dp_size
-            hint = (f"set trainer.grad_accum={global_batch // per_step}" if global_batch % per_step == 0
-                    else "change trainer.micro_batch_size or trainer.global_batch_size")
+            hint = (
+                f"set trainer.grad_accum={global_batch // per_step}"
+                if global_batch % per_step == 0
+                else "change trainer.micro_batch_size or trainer.global_batch_size"
+            )
             raise ConfigError(
                 f"trainer.global_batch_size={global_batch} != trainer.micro_batch_size={micro} x "
-                f"trainer.grad_accum={accum} x {dp_size} data-parallel rank(s) = {micro * accum * dp_size}: {hint}")
+                f"trainer.grad_accum={accum} x {dp_size} data-parallel rank(s) = {micro * accum * dp_size}: {hint}"
+            )
         return global_batch, micro, accum
     if micro is None and accum is None:
         accum = 1
@@ -29,7 +47,8 @@ def resolve_batch(global_batch: int | None, micro: int | None, accum: int | None
     if global_batch % (known * dp_size):
         raise ConfigError(
             f"global batch {global_batch} is not divisible by {known} x {dp_size} data-parallel rank(s): "
-            "change trainer.global_batch_size, trainer.micro_batch_size or trainer.grad_accum")
+            "change trainer.global_batch_size, trainer.micro_batch_size or trainer.grad_accum"
+        )
     other = global_batch // (known * dp_size)
     return (global_batch, known, other) if micro is not None else (global_batch, other, known)
 
@@ -42,10 +61,16 @@ def batch_of(ds: dict) -> tuple[int, int, int]:
 def precision_section(precision: PrecisionConfig) -> dict:
     """`precision.dtype` must be resolved (not auto) by now."""
     if precision.dtype == Dtype.fp16:
-        return {"fp16": {"enabled": True, "loss_scale": precision.loss_scale,
-                         "initial_scale_power": precision.initial_scale_power,
-                         "loss_scale_window": precision.loss_scale_window, "hysteresis": precision.hysteresis,
-                         "min_loss_scale": precision.min_loss_scale}}
+        return {
+            "fp16": {
+                "enabled": True,
+                "loss_scale": precision.loss_scale,
+                "initial_scale_power": precision.initial_scale_power,
+                "loss_scale_window": precision.loss_scale_window,
+                "hysteresis": precision.hysteresis,
+                "min_loss_scale": precision.min_loss_scale,
+            }
+        }
     return {"bf16": {"enabled": precision.dtype == Dtype.bf16}}
 
 
@@ -76,8 +101,16 @@ DEEPSPEED_OPTIMIZERS = {OptimizerName.adamw: ("AdamW", {}), OptimizerName.adam: 
 
 def optimizer_section(optimizer: OptimizerConfig) -> dict:
     kind, extra = DEEPSPEED_OPTIMIZERS[optimizer.name]
-    return {"type": kind, "params": {"lr": optimizer.lr, "betas": list(optimizer.betas), "eps": optimizer.eps,
-                                     "weight_decay": optimizer.weight_decay, **extra}}
+    return {
+        "type": kind,
+        "params": {
+            "lr": optimizer.lr,
+            "betas": list(optimizer.betas),
+            "eps": optimizer.eps,
+            "weight_decay": optimizer.weight_decay,
+            **extra,
+        },
+    }
 
 
 # The optimizer params torch's Adam/AdamW take as DeepSpeed writes them. FusedAdam's
@@ -132,9 +165,15 @@ def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> di
     start_ratio = 0.0 if warmup_steps else 1.0
     warmup = {"warmup_num_steps": max(1, warmup_steps), "warmup_type": "linear"}
     if schedule.name == Decay.cosine:
-        return {"type": "WarmupCosineLR", "params": {
-            **warmup, "total_num_steps": max_steps, "warmup_min_ratio": start_ratio,
-            "cos_min_ratio": schedule.min_lr_ratio}}
+        return {
+            "type": "WarmupCosineLR",
+            "params": {
+                **warmup,
+                "total_num_steps": max_steps,
+                "warmup_min_ratio": start_ratio,
+                "cos_min_ratio": schedule.min_lr_ratio,
+            },
+        }
     # WarmupLR / WarmupDecayLR take absolute learning rates.
     lrs = {"warmup_min_lr": start_ratio * lr, "warmup_max_lr": lr}
     if schedule.name == Decay.linear:
@@ -145,8 +184,13 @@ def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> di
 def activation_checkpointing_section(checkpointing: CheckpointingConfig) -> dict:
     if not checkpointing.enabled or checkpointing.impl != CheckpointingImpl.deepspeed:
         return {}
-    keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-            "number_checkpoints", "synchronize_checkpoint_boundary")
+    keys = (
+        "partition_activations",
+        "cpu_checkpointing",
+        "contiguous_memory_optimization",
+        "number_checkpoints",
+        "synchronize_checkpoint_boundary",
+    )
     return {"activation_checkpointing": {k: getattr(checkpointing, k) for k in keys}}
 
 
@@ -159,7 +203,8 @@ def build_ds_config(config: TrainConfig, dp_size: int) -> dict:
     """The DeepSpeed dict of a loaded config (autos resolved), before a user's JSON is laid over it."""
     trainer = config.trainer
     global_batch, micro, accum = resolve_batch(
-        trainer.global_batch_size, trainer.micro_batch_size, trainer.grad_accum, dp_size)
+        trainer.global_batch_size, trainer.micro_batch_size, trainer.grad_accum, dp_size
+    )
     ds = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": micro,

@@ -1,4 +1,5 @@
 """The exception types for what the user must change, and the one way such a mistake ends a command."""
+
 import os
 import sys
 import time

@@ -9,6 +9,7 @@ Pure functions: no process group, no GPU. Sources:
   Models" (tensor parallel size 1, no sequence parallelism);
 - FLOPs and time: lmrepo.metrics (the 72/96 forms of seed 003) and seed 003's 8*T*P/(n*X).
 """
+
 import math
 from dataclasses import dataclass
 
@@ -20,8 +21,11 @@ from lmrepo.models import FAMILIES
 def meta_model(model_cfg) -> torch.nn.Module:
     """The model train.py builds, on the meta device: every shape, no memory, no init time."""
     family = FAMILIES[model_cfg.family]
-    config = (family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
-              if model_cfg.pretrained else family.hf_config(model_cfg))
+    config = (
+        family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
+        if model_cfg.pretrained
+        else family.hf_config(model_cfg)
+    )
     with torch.device("meta"):
         return family.MODEL_CLASS._from_config(config)
 
@@ -49,6 +53,7 @@ def formula_parameters(n_layer: int, n_embd: int, vocab: int, seq_len: int) -> f
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes of model states (parameters, gradients, optimizer states) held by one data-parallel rank."""
+
     gpu: float
     cpu: float
     nvme: float
@@ -67,8 +72,9 @@ def bytes_per_param(dtype: str) -> tuple[int, int, int]:
 OFFLOADED_GRAD_BYTES = 4
 
 
-def model_state_bytes(params: int, stage: int, dp: int, offload: str = "none",
-                      offload_params: bool | None = None, dtype: str = "bf16") -> ModelStates:
+def model_state_bytes(
+    params: int, stage: int, dp: int, offload: str = "none", offload_params: bool | None = None, dtype: str = "bf16"
+) -> ModelStates:
     """Per-rank model states for ZeRO `stage` over `dp` data-parallel ranks (ZeRO Fig. 1): stage 0
     replicates everything; stage 1 partitions the optimizer states (/dp), stage 2 also the
     gradients, stage 3 also the parameters. Offload (ZeRO-Offload) moves the optimizer states and
@@ -136,8 +142,9 @@ def zero12_gradient_elements(group_sizes: list[list[int]], dp: int) -> list[int]
     return held
 
 
-def zero12_model_state_bytes(params: int, group_sizes: list[list[int]], stage: int, dp: int,
-                             dtype: str = "bf16") -> list[float]:
+def zero12_model_state_bytes(
+    params: int, group_sizes: list[list[int]], stage: int, dp: int, dtype: str = "bf16"
+) -> list[float]:
     """Per-rank model states of DeepSpeed's ZeRO-1/2 without offload, rank by rank: the division of
     model_state_bytes with the gradients as DeepSpeed holds them (zero12_gradient_elements)."""
     if stage not in (1, 2):
@@ -157,8 +164,16 @@ def activation_bytes_per_layer(seq: int, micro: int, hidden: int, heads: int) ->
     return seq * micro * hidden * (34 + 5 * heads * seq / hidden)
 
 
-def activation_bytes(n_layer: int, hidden: int, heads: int, vocab: int, seq: int, micro: int,
-                     checkpointed_layers: int = 0, dtype: str = "bf16") -> float:
+def activation_bytes(
+    n_layer: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    seq: int,
+    micro: int,
+    checkpointed_layers: int = 0,
+    dtype: str = "bf16",
+) -> float:
     """Activations one rank holds at the start of backward. A checkpointed layer keeps only its
     16-bit input, 2*sbh, and while it is recomputed one layer's full activations exist again
     (Korthikanti's full recomputation: 2*sbh*L). The output layer is never checkpointed: its

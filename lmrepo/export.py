@@ -1,6 +1,7 @@
 """A DeepSpeed checkpoint of any ZeRO stage -> a Hugging Face model directory (config,
 safetensors weights, tokenizer) that AutoModelForCausalLM / AutoModelForMaskedLM load; or the
 same model kept in memory (consolidate), for evaluation."""
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,11 @@ def pipeline_state_dict(tag_dir: Path, model, family: str) -> dict:
 @dataclass
 class Consolidated:
     """A checkpoint's whole model in memory, whatever layout saved it."""
-    model: torch.nn.Module   # the transformers model, fp32, every weight joined
-    config: ModelConfig      # the run's model settings (its tokenizer, family)
-    tag_dir: Path            # the checkpoint it came from
-    step: int                # the optimizer step it was saved at
+
+    model: torch.nn.Module  # the transformers model, fp32, every weight joined
+    config: ModelConfig  # the run's model settings (its tokenizer, family)
+    tag_dir: Path  # the checkpoint it came from
+    step: int  # the optimizer step it was saved at
 
 
 def consolidate(source: str) -> Consolidated:
@@ -55,22 +57,32 @@ def consolidate(source: str) -> Consolidated:
         raise ConfigError(f"{directory / tag} was not written by lmrepo: no config to rebuild the model from")
     tp = states["config"].get("tp") or {}
     if tp.get("mode") == "auto":
-        raise ConfigError(f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank saved "
-                          "its own slice of the weights and lmrepo does not join them: export or evaluate a tp=none run "
-                          "(eval.tasks evaluates a tp=auto run during training, on its live engine)")
+        raise ConfigError(
+            f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank saved "
+            "its own slice of the weights and lmrepo does not join them: export or evaluate a tp=none run "
+            "(eval.tasks evaluates a tp=auto run during training, on its live engine)"
+        )
     model_cfg = from_dict(ModelConfig, states["config"]["model"])
     family = FAMILIES[model_cfg.family]
-    hf_config = AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
+    hf_config = (
+        AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
+    )
     model = family.MODEL_CLASS(hf_config)
     if (directory / tag / "layer_00-model_states.pt").is_file():
         weights = pipeline_state_dict(directory / tag, model, model_cfg.family)
     else:
         weights = consolidated_state_dict(directory, tag, states)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {k for k in missing if k in model._tied_weights_keys or k.endswith("lm_head.weight") or k.endswith("decoder.weight")}
+    tied = {
+        k
+        for k in missing
+        if k in model._tied_weights_keys or k.endswith("lm_head.weight") or k.endswith("decoder.weight")
+    }
     if set(missing) - tied or unexpected:
-        raise ConfigError(f"{directory / tag}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
-                          f"unexpected {unexpected[:3]})")
+        raise ConfigError(
+            f"{directory / tag}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
     model.tie_weights()
     return Consolidated(model, model_cfg, directory / tag, int(states.get("step", 0)))
 

@@ -8,6 +8,7 @@ for (GPT-2), on GPUs only; AutoTP sharding over the ranks for the models its par
 transformers' tp_plan covers (Llama, BERT), which also runs on the CPU. Everything that can be
 refused is checked before the process group starts.
 """
+
 import json
 import os
 import time
@@ -26,15 +27,15 @@ TIMED_FORWARDS = 5  # fill-mask: one forward is too short to time alone
 
 @dataclass
 class Options:
-    run: str = ""               # a run directory, checkpoints/<tag>, or a Hugging Face model directory
-    prompt: str = ""            # causal LM: the text to continue; BERT: text with [MASK] tokens
+    run: str = ""  # a run directory, checkpoints/<tag>, or a Hugging Face model directory
+    prompt: str = ""  # causal LM: the text to continue; BERT: text with [MASK] tokens
     max_new_tokens: int = 50
-    temperature: float = 0.0    # 0 = greedy; > 0 samples from softmax(logits / temperature)
-    top_k: int = 0              # sampling: keep the k most likely tokens (0 = all); fill-mask: shown per mask (0 = 5)
-    top_p: float = 1.0          # sampling: nucleus, the smallest set with this probability mass (1 = all)
-    seed: int = 1234            # the same on every rank: sampled tokens agree across tensor-parallel ranks
-    dtype: str = "fp32"         # fp32 | bf16 | fp16 (fp16 on GPUs)
-    json: str = ""              # also write the result as JSON to this path (rank 0)
+    temperature: float = 0.0  # 0 = greedy; > 0 samples from softmax(logits / temperature)
+    top_k: int = 0  # sampling: keep the k most likely tokens (0 = all); fill-mask: shown per mask (0 = 5)
+    top_p: float = 1.0  # sampling: nucleus, the smallest set with this probability mass (1 = all)
+    seed: int = 1234  # the same on every rank: sampled tokens agree across tensor-parallel ranks
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp16 on GPUs)
+    json: str = ""  # also write the result as JSON to this path (rank 0)
 
 
 def parse_args(argv: list[str]) -> Options:
@@ -50,7 +51,7 @@ def parse_args(argv: list[str]) -> Options:
         except ValueError:
             raise ConfigError(f"{key}={value} is not a{'n integer' if kind is int else ' number'}") from None
     if not options.run or not options.prompt:
-        raise ConfigError("run=RUN_DIR_OR_HF_DIR and prompt=\"...\" are required")
+        raise ConfigError('run=RUN_DIR_OR_HF_DIR and prompt="..." are required')
     if options.max_new_tokens < 1 or options.temperature < 0 or options.top_k < 0 or not 0 < options.top_p <= 1:
         raise ConfigError("max_new_tokens must be >= 1, temperature >= 0, top_k >= 0 and top_p in (0, 1]")
     if options.dtype not in DTYPES:
@@ -68,8 +69,10 @@ def model_directory(source: str) -> Path:
     try:
         directory, tag = checkpoint.find(source, path / "checkpoints")
     except ConfigError:
-        raise ConfigError(f"run={source} is neither a Hugging Face model directory (no config.json) nor a run with a "
-                          "checkpoint: train with trainer.save_every=N, or point run= at a model directory") from None
+        raise ConfigError(
+            f"run={source} is neither a Hugging Face model directory (no config.json) nor a run with a "
+            "checkpoint: train with trainer.save_every=N, or point run= at a model directory"
+        ) from None
     out = directory.parent / "export" / tag
     with FileLock(str(out) + ".lock"):  # every rank of a launch asks; one exports
         if not (out / "exported").exists():
@@ -91,7 +94,9 @@ def load(model_dir: Path, dtype: torch.dtype):
         model_class = AutoModelForMaskedLM if masked else AutoModelForCausalLM
         model = model_class.from_pretrained(model_dir, dtype=dtype)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{model_dir}: cannot load the model or its tokenizer ({str(err).splitlines()[0][:200]})") from None
+        raise ConfigError(
+            f"{model_dir}: cannot load the model or its tokenizer ({str(err).splitlines()[0][:200]})"
+        ) from None
     return model.eval(), tokenizer, masked
 
 
@@ -108,18 +113,28 @@ def inference_plan(model, world: int, device_type: str) -> bool:
     if device_type == "cpu" and launch.local_size() != world:
         # Its all-reduce runs DeepSpeed's shared-memory kernel unchecked, and that kernel has no
         # buffer unless every rank shares the node: SIGSEGV on every rank (DeepSpeed 0.19.8).
-        raise ConfigError(f"{world} ranks over several nodes: DeepSpeed-Inference on CPU ranks runs on one node only "
-                          f"(this one has {launch.local_size() or 'an unknown number of'} of them): launch every rank on one node")
+        raise ConfigError(
+            f"{world} ranks over several nodes: DeepSpeed-Inference on CPU ranks runs on one node only "
+            f"(this one has {launch.local_size() or 'an unknown number of'} of them): launch every rank on one node"
+        )
     refusal = autotp_refusal(model)
     if refusal is not None:
-        why = ("DeepSpeed's inference kernels for it run on GPUs only (the cpu accelerator has no kernel injection)"
-               if kernels else "DeepSpeed has no inference kernels for it")
-        raise ConfigError(f"{world} ranks: {type(model).__name__} cannot be split by DeepSpeed-Inference on this "
-                          f"{device_type} device: {why}, and AutoTP refuses it (\"{refusal}\"): run it in one process "
-                          "(python scripts/generate.py ...)")
+        why = (
+            "DeepSpeed's inference kernels for it run on GPUs only (the cpu accelerator has no kernel injection)"
+            if kernels
+            else "DeepSpeed has no inference kernels for it"
+        )
+        raise ConfigError(
+            f"{world} ranks: {type(model).__name__} cannot be split by DeepSpeed-Inference on this "
+            f'{device_type} device: {why}, and AutoTP refuses it ("{refusal}"): run it in one process '
+            "(python scripts/generate.py ...)"
+        )
     heads = model.config.num_attention_heads
     if heads % world:
-        raise ConfigError(f"AutoTP over {world} ranks needs the {heads} attention heads to divide: use a rank count that divides {heads}")
+        raise ConfigError(
+            f"AutoTP over {world} ranks needs the {heads} attention heads to divide: use a rank count that "
+            f"divides {heads}"
+        )
     return False
 
 
@@ -139,9 +154,16 @@ def sample(model, tokenizer, options: Options, device) -> dict:
         start = time.perf_counter()
         output = model.generate(**inputs, max_new_tokens=options.max_new_tokens, **settings)
         seconds = time.perf_counter() - start
-    new = output[0, inputs["input_ids"].shape[1]:].tolist()
-    return {"mode": "generate", "prompt": options.prompt, "text": tokenizer.decode(new), "new_tokens": new,
-            "seconds": seconds, "tokens_per_s": len(new) / seconds, "ms_per_token": 1000 * seconds / len(new)}
+    new = output[0, inputs["input_ids"].shape[1] :].tolist()
+    return {
+        "mode": "generate",
+        "prompt": options.prompt,
+        "text": tokenizer.decode(new),
+        "new_tokens": new,
+        "seconds": seconds,
+        "tokens_per_s": len(new) / seconds,
+        "ms_per_token": 1000 * seconds / len(new),
+    }
 
 
 def fill_mask(model, tokenizer, options: Options, device) -> dict:
@@ -149,8 +171,10 @@ def fill_mask(model, tokenizer, options: Options, device) -> dict:
     ids = inputs["input_ids"][0]
     positions = (ids == tokenizer.mask_token_id).nonzero().flatten().tolist()
     if not positions:
-        raise ConfigError(f"prompt has no {tokenizer.mask_token}: a masked LM fills masks, e.g. "
-                          f"prompt=\"the {tokenizer.mask_token} sat on the mat\"")
+        raise ConfigError(
+            f"prompt has no {tokenizer.mask_token}: a masked LM fills masks, e.g. "
+            f'prompt="the {tokenizer.mask_token} sat on the mat"'
+        )
     k = options.top_k or 5
     with torch.no_grad():
         logits = model(**inputs).logits  # warm-up
@@ -160,26 +184,38 @@ def fill_mask(model, tokenizer, options: Options, device) -> dict:
         seconds = (time.perf_counter() - start) / TIMED_FORWARDS
     probs = logits[0, positions].float().softmax(-1)
     top = probs.topk(k)
-    masks = [{"position": pos, "ids": i.tolist(), "tokens": tokenizer.convert_ids_to_tokens(i.tolist()), "probs": p.tolist()}
-             for pos, i, p in zip(positions, top.indices, top.values)]
+    masks = [
+        {"position": pos, "ids": i.tolist(), "tokens": tokenizer.convert_ids_to_tokens(i.tolist()), "probs": p.tolist()}
+        for pos, i, p in zip(positions, top.indices, top.values)
+    ]
     filled = ids.clone()
     filled[positions] = top.indices[:, 0]
-    return {"mode": "fill-mask", "prompt": options.prompt, "text": tokenizer.decode(filled, skip_special_tokens=True),
-            "masks": masks, "ms_per_forward": 1000 * seconds, "tokens_per_s": len(ids) / seconds}
+    return {
+        "mode": "fill-mask",
+        "prompt": options.prompt,
+        "text": tokenizer.decode(filled, skip_special_tokens=True),
+        "masks": masks,
+        "ms_per_forward": 1000 * seconds,
+        "tokens_per_s": len(ids) / seconds,
+    }
 
 
 def report(result: dict, world: int) -> None:
     where = f"{world} ranks, DeepSpeed-Inference" if world > 1 else "1 process"
     if result["mode"] == "generate":
         print(result["prompt"] + result["text"])
-        print(f"lmrepo: {len(result['new_tokens'])} new tokens in {result['seconds']:.3f} s: "
-              f"{result['tokens_per_s']:.1f} tokens/s, {result['ms_per_token']:.2f} ms per token ({where})")
+        print(
+            f"lmrepo: {len(result['new_tokens'])} new tokens in {result['seconds']:.3f} s: "
+            f"{result['tokens_per_s']:.1f} tokens/s, {result['ms_per_token']:.2f} ms per token ({where})"
+        )
         return
     print(result["text"])
     for m in result["masks"]:
         choices = ", ".join(f"{t} {p:.3f}" for t, p in zip(m["tokens"], m["probs"]))
         print(f"  [MASK] at {m['position']}: {choices}")
-    print(f"lmrepo: fill-mask forward {result['ms_per_forward']:.2f} ms ({result['tokens_per_s']:.0f} tokens/s; {where})")
+    print(
+        f"lmrepo: fill-mask forward {result['ms_per_forward']:.2f} ms ({result['tokens_per_s']:.0f} tokens/s; {where})"
+    )
 
 
 def run(options: Options) -> dict:
@@ -200,8 +236,9 @@ def run(options: Options) -> dict:
         from lmrepo.launch import init_distributed
 
         init_distributed()
-        model = deepspeed.init_inference(model, tensor_parallel={"tp_size": world}, dtype=dtype,
-                                         replace_with_kernel_inject=kernels)
+        model = deepspeed.init_inference(
+            model, tensor_parallel={"tp_size": world}, dtype=dtype, replace_with_kernel_inject=kernels
+        )
         device = torch.device(get_accelerator().current_device_name())
     else:
         device = torch.device(f"{device_type}:{os.environ.get('LOCAL_RANK', 0)}" if device_type == "cuda" else "cpu")

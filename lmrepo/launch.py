@@ -1,4 +1,5 @@
 """Rank environment: what every process needs before Hydra parses and before a process group starts."""
+
 import contextlib
 import os
 import socket
@@ -38,9 +39,7 @@ def launch_time() -> float:
 def register_resolvers() -> None:
     stamp = launch_time()
     if not OmegaConf.has_resolver("lmrepo_launch_time"):
-        OmegaConf.register_new_resolver(
-            "lmrepo_launch_time", lambda fmt: time.strftime(fmt, time.localtime(stamp))
-        )
+        OmegaConf.register_new_resolver("lmrepo_launch_time", lambda fmt: time.strftime(fmt, time.localtime(stamp)))
 
 
 def prepare_argv() -> None:
@@ -89,8 +88,20 @@ def launch_command(ranks: int, via: str = "deepspeed") -> list[str]:
     if not ranks:
         return [sys.executable]
     if via == "torchrun":
-        return [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
-    return [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+        return [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            str(free_port()),
+        ]
+    return [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+    ]
 
 
 def ensure_single_process_env() -> None:
@@ -172,8 +183,10 @@ def prepare_shm() -> None:
     mine = sum(1 for _ in shm.glob(f"{SHM_PREFIX}{os.getuid()}_*_{os.environ.get('MASTER_PORT')}_*"))
     needed = SHM_BYTES * (local - mine)
     if free < needed:
-        raise ConfigError(f"/dev/shm has {free / 2**20:.0f} MiB free; DeepSpeed's CPU all-reduce needs 66 MiB for each "
-                          f"of this node's {local} ranks: free it, or give the container more (docker run --shm-size=1g)")
+        raise ConfigError(
+            f"/dev/shm has {free / 2**20:.0f} MiB free; DeepSpeed's CPU all-reduce needs 66 MiB for each "
+            f"of this node's {local} ranks: free it, or give the container more (docker run --shm-size=1g)"
+        )
 
 
 def mapped_shm_names() -> set[str]:
@@ -193,6 +206,8 @@ def release_shm_buffer() -> None:
     after the master address and port, when the process exits: a machine that runs many jobs
     fills its shared memory (seen here: 15 GB, then the OOM killer). Each rank unlinks its own;
     the mapping stays valid until the process exits."""
-    name = (f"{SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}")
+    name = (
+        f"{SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+        f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}"
+    )
     Path("/dev/shm", name).unlink(missing_ok=True)

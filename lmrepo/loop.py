@@ -1,5 +1,6 @@
 """The training loop: steps, evaluation, checkpoint cadence, metrics. Techniques live in the
 DeepSpeed config, not here: the loop is the same for every ZeRO stage, precision and offload."""
+
 import math
 import os
 import signal
@@ -18,8 +19,8 @@ from lmrepo.metrics import memory_gb
 
 @dataclass
 class Throughput:
-    tokens_per_step: int      # global: all data-parallel ranks
-    flops_per_token: float    # executed (with recomputation) FLOPs per token
+    tokens_per_step: int  # global: all data-parallel ranks
+    flops_per_token: float  # executed (with recomputation) FLOPs per token
     model_flops_per_token: float  # without recomputation: the MFU numerator (PaLM's convention)
     world_size: int
     peak_tflops: float | None
@@ -29,15 +30,20 @@ class Throughput:
         tokens_per_s = self.tokens_per_step * steps / seconds
         per_device = tokens_per_s / self.world_size
         mfu = per_device * self.model_flops_per_token / 1e12 / self.peak_tflops if self.peak_tflops else None
-        return {"tokens_per_s": tokens_per_s, "tflops": per_device * self.flops_per_token / 1e12, "mfu": mfu,
-                "mem_gb": memory_gb(self.device_type)}
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops": per_device * self.flops_per_token / 1e12,
+            "mfu": mfu,
+            "mem_gb": memory_gb(self.device_type),
+        }
 
 
 @dataclass
 class TrainState:
     """Where training is: checkpointed, and all a resumed run needs to continue exactly."""
-    step: int = 0       # optimizer steps done
-    consumed: int = 0   # samples consumed, all ranks together (the data order's position)
+
+    step: int = 0  # optimizer steps done
+    consumed: int = 0  # samples consumed, all ranks together (the data order's position)
 
 
 def preemption_signal() -> signal.Signals:
@@ -81,9 +87,20 @@ def evaluate(engine: Engine, data) -> float:
     return (_sum_over_ranks(mean.cpu().reshape(1)) / dist.get_world_size()).item()
 
 
-def fit(engine: Engine, data, trainer: TrainerConfig, throughput: Throughput, sinks, state: TrainState, checkpoints,
-        stop: StopRequest | None, is_rank0: bool, beat=None, min_loss_scale: float | None = None,
-        downstream=None) -> tuple[dict, str | None]:
+def fit(
+    engine: Engine,
+    data,
+    trainer: TrainerConfig,
+    throughput: Throughput,
+    sinks,
+    state: TrainState,
+    checkpoints,
+    stop: StopRequest | None,
+    is_rank0: bool,
+    beat=None,
+    min_loss_scale: float | None = None,
+    downstream=None,
+) -> tuple[dict, str | None]:
     """Trains until trainer.max_steps or a stop request. `checkpoints` (a checkpoint.Checkpointer,
     or None) saves on every rank at the checkpoint cadence and before stopping, and learns from
     each step's loss whether the last checkpoint's weights are sound; `beat(step)` (the watchdog's
@@ -114,22 +131,36 @@ def fit(engine: Engine, data, trainer: TrainerConfig, throughput: Throughput, si
             if not torch.isfinite(flags[0]):
                 if checkpoints is not None:
                     checkpoints.abandon()  # the last save holds the weights that gave this loss
-                raise TrainingError(f"the loss became {loss_value} at step {state.step}: lower optimizer.lr or raise "
-                                    "schedule.warmup_steps (fp16: use precision=bf16); the last sound checkpoint is kept")
+                raise TrainingError(
+                    f"the loss became {loss_value} at step {state.step}: lower optimizer.lr or raise "
+                    "schedule.warmup_steps (fp16: use precision=bf16); the last sound checkpoint is kept"
+                )
             if checkpoints is not None:
                 checkpoints.confirm()
             if flags[1] > 0:
-                stopped = (stop.signal_name if stop is not None and stop.signal_name else "SIGTERM")
+                stopped = stop.signal_name if stop is not None and stop.signal_name else "SIGTERM"
 
             # log: throughput over the window since the last log
             if state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped:
-                last = {"step": state.step, "loss": loss_value, "lr": lr, "tokens": state.consumed * data.block_tokens,
-                        **throughput.record(window_steps, window_seconds), **engine.step_record(),
-                        "elapsed_s": time.perf_counter() - fit_start, "time": time.time()}
-                if min_loss_scale is not None and last.get("loss_scale", float("inf")) <= min_loss_scale \
-                        and last["skipped_steps"] >= state.step // 2:
-                    raise TrainingError(f"fp16 loss scale stuck at its minimum {min_loss_scale} with {last['skipped_steps']} "
-                                        f"of {state.step} steps skipped (overflow): use precision=bf16")
+                last = {
+                    "step": state.step,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "tokens": state.consumed * data.block_tokens,
+                    **throughput.record(window_steps, window_seconds),
+                    **engine.step_record(),
+                    "elapsed_s": time.perf_counter() - fit_start,
+                    "time": time.time(),
+                }
+                if (
+                    min_loss_scale is not None
+                    and last.get("loss_scale", float("inf")) <= min_loss_scale
+                    and last["skipped_steps"] >= state.step // 2
+                ):
+                    raise TrainingError(
+                        f"fp16 loss scale stuck at its minimum {min_loss_scale} with {last['skipped_steps']} "
+                        f"of {state.step} steps skipped (overflow): use precision=bf16"
+                    )
                 if is_rank0:
                     sinks.log(last)
                     bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
@@ -139,23 +170,39 @@ def fit(engine: Engine, data, trainer: TrainerConfig, throughput: Throughput, si
             if (trainer.eval_every and state.step % trainer.eval_every == 0) or state.step == trainer.max_steps:
                 eval_loss = evaluate(engine, data)
                 if is_rank0:
-                    sinks.log({"step": state.step, "eval_loss": eval_loss, "tokens": state.consumed * data.block_tokens,
-                               "elapsed_s": time.perf_counter() - fit_start})
+                    sinks.log(
+                        {
+                            "step": state.step,
+                            "eval_loss": eval_loss,
+                            "tokens": state.consumed * data.block_tokens,
+                            "elapsed_s": time.perf_counter() - fit_start,
+                        }
+                    )
                     bar.write(f"step {state.step}: eval_loss {eval_loss:.4f}")
                 last = {**last, "eval_loss": eval_loss}
 
             # downstream tasks on the live model: every rank runs them, rank 0 gets one line per task
             if downstream is not None and downstream.due(state.step, trainer.max_steps):
                 for line in downstream(state.step, beat):
-                    sinks.log({**line, "tokens": state.consumed * data.block_tokens, "elapsed_s": time.perf_counter() - fit_start})
-                    bar.write(f"step {state.step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in line.items()
-                                                                  if k != "step"))
+                    sinks.log(
+                        {
+                            **line,
+                            "tokens": state.consumed * data.block_tokens,
+                            "elapsed_s": time.perf_counter() - fit_start,
+                        }
+                    )
+                    bar.write(
+                        f"step {state.step}: "
+                        + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in line.items() if k != "step")
+                    )
                     last = {**last, **line}
 
             # checkpoint: at the cadence, at the end, and when asked to stop (the end's evaluation, or
             # the stop, vouches for the weights at once)
             final = state.step == trainer.max_steps or stopped
-            if checkpoints is not None and (trainer.save_every and (state.step % trainer.save_every == 0 or final) or stopped):
+            if checkpoints is not None and (
+                trainer.save_every and (state.step % trainer.save_every == 0 or final) or stopped
+            ):
                 checkpoints.save(state)
                 if final and math.isfinite(last.get("eval_loss", 0.0)):
                     checkpoints.confirm()

@@ -1,4 +1,5 @@
 """Training-performance arithmetic (seed 003, Narayanan et al. 2021) and memory readings."""
+
 import functools
 import os
 

@@ -1,6 +1,7 @@
 """ZeRO-Infinity's swap space is the run's own: a subdirectory of offload.nvme_path per run
 (DeepSpeed deletes and reuses `<path>/zero_stage_3/*/rank<N>`, so two runs sharing a path would
 overwrite each other's swapped states), removed when the run's processes end."""
+
 import atexit
 import secrets
 import shutil

@@ -2,6 +2,7 @@
 turned into the DeepSpeed dict. No files, no data, no process group, and no transformers:
 train.py makes it before importing lmrepo.run, so a job refused here costs torch and DeepSpeed's
 accelerator alone (~2 s of imports, against ~4 s for all of training's)."""
+
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -15,11 +16,11 @@ from lmrepo.user_config import UserConfig, lay_over
 
 @dataclass
 class Plan:
-    config: TrainConfig        # loaded, its autos resolved (precision, warmup)
+    config: TrainConfig  # loaded, its autos resolved (precision, warmup)
     device: Device
-    ds_config: dict            # the final DeepSpeed dict: lmrepo's with the user's JSON laid over it
-    user_changed: list[str]    # the keys the user's JSON changed
-    notes: list[str]           # what to say at start: the precision (auto's choice, or bf16's cost here), JSON deprecations
+    ds_config: dict  # the final DeepSpeed dict: lmrepo's with the user's JSON laid over it
+    user_changed: list[str]  # the keys the user's JSON changed
+    notes: list[str]  # what to say at start: the precision (auto's choice, or bf16's cost here), JSON deprecations
 
 
 def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan:

@@ -1,5 +1,6 @@
 """What is checked before any process group starts, beyond the config's own rules: the final
 DeepSpeed dict (lmrepo's, with a user's JSON laid over it) against this machine and DeepSpeed."""
+
 import os
 from pathlib import Path
 
@@ -20,11 +21,16 @@ def check_deepspeed(ds: dict, pipeline: PipelineConfig, device: Device, user: Us
 
     fp16, bf16 = enabled(ds.get("fp16", {}).get("enabled")), enabled(ds.get("bf16", {}).get("enabled"))
     if fp16:
-        require(device.fp16, f"fp16 is not supported on this {device.type} device (fp16 with dynamic loss scaling needs "
-                             f"a GPU or a CPU with AMX-FP16): {fix('fp16.enabled', 'use precision=auto, bf16 or fp32')}")
+        require(
+            device.fp16,
+            f"fp16 is not supported on this {device.type} device (fp16 with dynamic loss scaling needs "
+            f"a GPU or a CPU with AMX-FP16): {fix('fp16.enabled', 'use precision=auto, bf16 or fp32')}",
+        )
     if bf16:
-        require(device.bf16, f"bf16 is not supported on this {device.type} device: "
-                             f"{fix('bf16.enabled', 'use precision=auto or fp32')}")
+        require(
+            device.bf16,
+            f"bf16 is not supported on this {device.type} device: {fix('bf16.enabled', 'use precision=auto or fp32')}",
+        )
     require(not (fp16 and bf16), f"fp16 and bf16 are both enabled: {fix('fp16.enabled', 'choose one precision=')}")
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", 0)
@@ -32,36 +38,57 @@ def check_deepspeed(ds: dict, pipeline: PipelineConfig, device: Device, user: Us
     require(stage in (0, 1, 2, 3), f"zero.stage={stage} is not 0-3: {stage_fix or 'choose zero=stage0..stage3'}")
     optimizer_offload = zero.get("offload_optimizer", {}).get("device", "none")
     param_offload = zero.get("offload_param", {}).get("device", "none")
-    require(optimizer_offload != "nvme" or stage == 3,
-            f"NVMe offload (ZeRO-Infinity) needs ZeRO-3 (it is stage {stage}): "
-            f"{stage_fix or 'set zero=stage3, or offload=cpu'}")
-    require(optimizer_offload == "none" or stage >= 1,
-            f"optimizer offload to {optimizer_offload} needs ZeRO stage >= 1: "
-            f"{fix('zero_optimization.offload_optimizer', stage_fix or 'set zero=stage1, stage2 or stage3, or offload=none')}")
-    require(param_offload == "none" or stage == 3,
-            f"parameter offload to {param_offload} needs ZeRO-3: "
-            f"{fix('zero_optimization.offload_param', stage_fix or 'set zero=stage3, or offload.params=false')}")
+    require(
+        optimizer_offload != "nvme" or stage == 3,
+        f"NVMe offload (ZeRO-Infinity) needs ZeRO-3 (it is stage {stage}): "
+        f"{stage_fix or 'set zero=stage3, or offload=cpu'}",
+    )
+    require(
+        optimizer_offload == "none" or stage >= 1,
+        f"optimizer offload to {optimizer_offload} needs ZeRO stage >= 1: "
+        + fix("zero_optimization.offload_optimizer", stage_fix or "set zero=stage1, stage2 or stage3, or offload=none"),
+    )
+    require(
+        param_offload == "none" or stage == 3,
+        f"parameter offload to {param_offload} needs ZeRO-3: "
+        f"{fix('zero_optimization.offload_param', stage_fix or 'set zero=stage3, or offload.params=false')}",
+    )
     for section in ("offload_optimizer", "offload_param"):
         if zero.get(section, {}).get("device") == "nvme":
             key = f"zero_optimization.{section}.nvme_path"
-            check_nvme_path(zero[section].get("nvme_path"), key if user is not None and user.sets(key) else "offload.nvme_path")
+            check_nvme_path(
+                zero[section].get("nvme_path"), key if user is not None and user.sets(key) else "offload.nvme_path"
+            )
     if optimizer_offload == "nvme" or param_offload == "nvme":
         check_libaio()
     if user is not None and user.sets("activation_checkpointing"):
         section = ds["activation_checkpointing"]
-        CheckpointingConfig.check_zero_r(section.get("partition_activations"), section.get("cpu_checkpointing"),
-                                         section.get("contiguous_memory_optimization"), section.get("number_checkpoints"),
-                                         prefix=f"deepspeed_config={user.path}: activation_checkpointing.")
+        CheckpointingConfig.check_zero_r(
+            section.get("partition_activations"),
+            section.get("cpu_checkpointing"),
+            section.get("contiguous_memory_optimization"),
+            section.get("number_checkpoints"),
+            prefix=f"deepspeed_config={user.path}: activation_checkpointing.",
+        )
     schedule = pipeline.schedule
     if pipeline.engine == "deepspeed":
-        require(stage <= 1, f"the DeepSpeed pipeline (pipeline={schedule}) supports ZeRO stage 0 or 1, not {stage}: "
-                            f"{stage_fix or 'set zero=stage0 or stage1'}")
+        require(
+            stage <= 1,
+            f"the DeepSpeed pipeline (pipeline={schedule}) supports ZeRO stage 0 or 1, not {stage}: "
+            f"{stage_fix or 'set zero=stage0 or stage1'}",
+        )
     if pipeline.engine == "torch":
         where = f"pipeline={schedule} (torch.distributed.pipelining)"
-        require(user is None, f"{where} is not a DeepSpeed engine: deepspeed_config does not apply to it; "
-                              "use pipeline=1f1b, or leave deepspeed_config out")
-        require(stage == 0, f"{where} supports ZeRO stage 0 only, not {stage}: set zero=stage0, "
-                            "or pipeline=1f1b for DeepSpeed's pipeline with ZeRO-1")
+        require(
+            user is None,
+            f"{where} is not a DeepSpeed engine: deepspeed_config does not apply to it; "
+            "use pipeline=1f1b, or leave deepspeed_config out",
+        )
+        require(
+            stage == 0,
+            f"{where} supports ZeRO stage 0 only, not {stage}: set zero=stage0, "
+            "or pipeline=1f1b for DeepSpeed's pipeline with ZeRO-1",
+        )
         require(optimizer_offload == "none", f"{where} does not offload: set offload=none, or pipeline=1f1b")
         require(not fp16, f"{where} runs fp32 or bf16: set precision=bf16, or pipeline=1f1b for fp16")
 
@@ -78,8 +105,10 @@ def check_nvme_path(path: str | None, key: str = "offload.nvme_path") -> None:
 def check_libaio() -> None:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    require(AsyncIOBuilder().is_compatible(verbose=False),
-            "offload=nvme needs libaio: install it (apt-get install libaio-dev) or use offload=cpu")
+    require(
+        AsyncIOBuilder().is_compatible(verbose=False),
+        "offload=nvme needs libaio: install it (apt-get install libaio-dev) or use offload=cpu",
+    )
 
 
 def check_tensor_parallel(tp: TPConfig, model_cfg: ModelConfig) -> None:
@@ -91,5 +120,8 @@ def check_tensor_parallel(tp: TPConfig, model_cfg: ModelConfig) -> None:
 
     model = meta_model(model_cfg)
     refusal = autotp_refusal(model)
-    require(refusal is None, f"tp=auto: DeepSpeed's AutoTP refuses {type(model).__name__} (\"{refusal}\"): "
-                             "use tp=none (ZeRO shards its states instead) or a model=llama-* preset")
+    require(
+        refusal is None,
+        f'tp=auto: DeepSpeed\'s AutoTP refuses {type(model).__name__} ("{refusal}"): '
+        "use tp=none (ZeRO shards its states instead) or a model=llama-* preset",
+    )

@@ -2,6 +2,7 @@
 Library notices that ask nothing of the user are dropped at their loggers (`hydra.verbose=true`
 keeps them all); everything else, warnings included, passes.
 """
+
 import contextlib
 import io
 import logging
@@ -23,8 +24,10 @@ NOISE_PRINTS = (r"^DeepSpeed \S+ built successfully$",)
 # Python warnings raised inside DeepSpeed about its own use of torch APIs, and inside Optuna
 # about the arguments and distributions hydra-optuna-sweeper 1.3 gives it (hparams_search):
 # nothing for the user to change.
-OPTUNA_SWEEPER_DEPRECATIONS = (r"^(`(consider_prior|prior_weight|consider_magic_clip|consider_endpoints|"
-                               r"warn_independent_sampling)`|\w*UniformDistribution) has been deprecated")
+OPTUNA_SWEEPER_DEPRECATIONS = (
+    r"^(`(consider_prior|prior_weight|consider_magic_clip|consider_endpoints|"
+    r"warn_independent_sampling)`|\w*UniformDistribution) has been deprecated"
+)
 NOISE_WARNINGS = (r"`torch\.distributed\.\w+` is deprecated", OPTUNA_SWEEPER_DEPRECATIONS)
 
 
@@ -69,7 +72,10 @@ def quiet_prints():
         with contextlib.redirect_stdout(captured):
             yield
     finally:
-        kept = [line for line in captured.getvalue().splitlines(keepends=True)
-                if not any(re.search(p, line.rstrip("\n")) for p in NOISE_PRINTS)]
+        kept = [
+            line
+            for line in captured.getvalue().splitlines(keepends=True)
+            if not any(re.search(p, line.rstrip("\n")) for p in NOISE_PRINTS)
+        ]
         sys.stdout.write("".join(kept))
         sys.stdout.flush()

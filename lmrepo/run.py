@@ -1,4 +1,5 @@
 """One training job: validate -> prepare data -> process group -> engine -> fit -> close."""
+
 import atexit
 import time
 from pathlib import Path
@@ -22,8 +23,7 @@ from lmrepo.loop import StopRequest, Throughput, TrainState, fit
 from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, peak_tflops
 from lmrepo.nvme import use_per_run_swap
 from lmrepo.plan import Plan
-from lmrepo.rundir import (check_unused, own, refuse, remove_if_empty, truncate_metrics, write_config_files,
-                           write_status)
+from lmrepo.rundir import check_unused, own, refuse, remove_if_empty, truncate_metrics, write_config_files, write_status
 from lmrepo.tokenizer import load_tokenizer
 from lmrepo.user_config import redact
 from lmrepo.watchdog import Watchdog
@@ -46,9 +46,11 @@ def prepare_job(job: Plan, run_dir: Path):
         global_batch, micro_batch, accum = batch_of(ds_config)
         dp_size = global_batch // (micro_batch * accum)
         if resume.partitioned and resume.dp_size != dp_size and config.pipeline.engine:
-            raise ConfigError(f"this pipeline checkpoint was saved with {resume.dp_size} data-parallel replica(s), this run "
-                              f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
-                              "checkpoint conversion is not supported for pipelines here)")
+            raise ConfigError(
+                f"this pipeline checkpoint was saved with {resume.dp_size} data-parallel replica(s), this run "
+                f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
+                "checkpoint conversion is not supported for pipelines here)"
+            )
         resume = checkpoint.prepare_universal(resume, dp_size)
         job.notes += [line for line in [continue_with_saved_adam(ds_config, resume.ds_config)] if line]
     data_sources = prepare_sources(config.data, tokenizer)
@@ -83,8 +85,11 @@ def throughput_of(config: TrainConfig, ds_config: dict, device) -> Throughput:
     return Throughput(
         tokens_per_step=ds_config["train_batch_size"] * config.data.block_size,
         flops_per_token=executed_flops_per_token(*args, checkpointed_layers(shape["n_layer"], config.checkpointing)),
-        model_flops_per_token=flops_per_token(*args, recompute=False), world_size=launch.world_size(),
-        peak_tflops=peak_tflops(device_name(device.type), dtype, config.metrics.peak_tflops), device_type=device.type)
+        model_flops_per_token=flops_per_token(*args, recompute=False),
+        world_size=launch.world_size(),
+        peak_tflops=peak_tflops(device_name(device.type), dtype, config.metrics.peak_tflops),
+        device_type=device.type,
+    )
 
 
 def train(cfg: DictConfig, job: Plan) -> dict:
@@ -140,8 +145,15 @@ def train(cfg: DictConfig, job: Plan) -> dict:
         engine = build_engine(config, ds_config)
         global_batch, micro_batch, _ = batch_of(ds_config)
         layout = Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size)
-        data = LMData(data_sources, config.data.block_size, config.model.family, tokenizer, layout,
-                      config.trainer.seed, config.trainer.eval_batches)
+        data = LMData(
+            data_sources,
+            config.data.block_size,
+            config.model.family,
+            tokenizer,
+            layout,
+            config.trainer.seed,
+            config.trainer.eval_batches,
+        )
         downstream = Downstream(config.eval, tasks, engine, tokenizer, run_dir) if tasks else None
         loading = time.perf_counter()
         state = checkpoint.load(engine, resume) if resume else TrainState()
@@ -155,12 +167,28 @@ def train(cfg: DictConfig, job: Plan) -> dict:
             if resume:
                 sinks.log({"step": state.step, "checkpoint_load_s": load_seconds})
         fp16 = ds_config.get("fp16", {})
-        checkpoints = checkpoint.Checkpointer(engine, checkpoint_dir, plain_config, len(tokenizer), config.trainer.keep_last,
-                                              on_saved=saved if rank0 else None)
-        last, stopped = fit(engine, data, config.trainer, throughput_of(config, ds_config, job.device), sinks, state, checkpoints,
-                            checkpoint_requests, rank0, watchdog.beat,
-                            min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None,
-                            downstream=downstream)
+        checkpoints = checkpoint.Checkpointer(
+            engine,
+            checkpoint_dir,
+            plain_config,
+            len(tokenizer),
+            config.trainer.keep_last,
+            on_saved=saved if rank0 else None,
+        )
+        last, stopped = fit(
+            engine,
+            data,
+            config.trainer,
+            throughput_of(config, ds_config, job.device),
+            sinks,
+            state,
+            checkpoints,
+            checkpoint_requests,
+            rank0,
+            watchdog.beat,
+            min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None,
+            downstream=downstream,
+        )
     except (ConfigError, TrainingError) as err:
         if rank0:
             write_status(run_dir, "failed", started, error=str(err))
@@ -181,8 +209,11 @@ def train(cfg: DictConfig, job: Plan) -> dict:
         summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float) and k != "time")
         if stopped:
             write_status(run_dir, "stopped", started, final=last, signal=stopped)
-            print(f"lmrepo: {stopped} received: checkpoint saved at step {state.step} in {checkpoint_dir}. "
-                  f"Resume with the same command plus run.dir={run_dir} run.resume=auto", flush=True)
+            print(
+                f"lmrepo: {stopped} received: checkpoint saved at step {state.step} in {checkpoint_dir}. "
+                f"Resume with the same command plus run.dir={run_dir} run.resume=auto",
+                flush=True,
+            )
         else:
             write_status(run_dir, "completed", started, final=last)
             print(f"lmrepo: done at step {last.get('step')}: {summary}. Run directory: {run_dir}", flush=True)

@@ -1,5 +1,6 @@
 """The run directory contract (README: What a run leaves behind): .hydra/ config,
 ds_config.json, metrics.jsonl, status.json, checkpoints/; one run owns it at a time."""
+
 import json
 import os
 import sys
@@ -55,8 +56,9 @@ def own(run_dir: Path) -> FileLock:
     try:
         lock.acquire()
     except Timeout:
-        raise ConfigError(f"run.dir={run_dir} is in use by another run right now: wait for it to end, or choose "
-                          "another run.dir") from None
+        raise ConfigError(
+            f"run.dir={run_dir} is in use by another run right now: wait for it to end, or choose another run.dir"
+        ) from None
     return lock
 
 
@@ -67,8 +69,10 @@ def check_unused(run_dir: Path, resuming: bool, owner: bool) -> None:
         own(run_dir).release()
     previous = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
     if previous and not resuming:
-        raise ConfigError(f"run.dir={run_dir} already holds a run ({', '.join(previous)}): continue it with "
-                          "run.resume=auto, or choose another run.dir")
+        raise ConfigError(
+            f"run.dir={run_dir} already holds a run ({', '.join(previous)}): continue it with "
+            "run.resume=auto, or choose another run.dir"
+        )
 
 
 def write_config_files(run_dir: Path, config: dict, ds_config: dict) -> None:
@@ -79,7 +83,9 @@ def write_config_files(run_dir: Path, config: dict, ds_config: dict) -> None:
     OmegaConf.save(OmegaConf.create(config), hydra_dir / "config.yaml")
     if HydraConfig.initialized():
         hydra = HydraConfig.get()
-        OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra, resolve=False)}), hydra_dir / "hydra.yaml")
+        OmegaConf.save(
+            OmegaConf.create({"hydra": OmegaConf.to_container(hydra, resolve=False)}), hydra_dir / "hydra.yaml"
+        )
         OmegaConf.save(OmegaConf.create(list(hydra.overrides.task)), hydra_dir / "overrides.yaml")
     (run_dir / "ds_config.json").write_text(json.dumps(redact(ds_config), indent=2))
 
@@ -89,8 +95,14 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     (a run killed while writing it) is dropped too."""
     path = run_dir / "metrics.jsonl"
     if path.exists():
-        write_durably(path, "".join(line + "\n" for line in path.read_text(errors="replace").splitlines()
-                                    if (record := parse(line)) is not None and record.get("step", 0) <= step))
+        write_durably(
+            path,
+            "".join(
+                line + "\n"
+                for line in path.read_text(errors="replace").splitlines()
+                if (record := parse(line)) is not None and record.get("step", 0) <= step
+            ),
+        )
 
 
 def parse(line: str) -> dict | None:
@@ -108,7 +120,9 @@ def write_status(run_dir: Path, status: str, started: float, **details) -> None:
     try:
         write_durably(run_dir / "status.json", json.dumps(record, indent=2))
     except OSError as err:
-        print(f"lmrepo: warning: could not write {run_dir / 'status.json'}: {err.strerror}", file=sys.stderr, flush=True)
+        print(
+            f"lmrepo: warning: could not write {run_dir / 'status.json'}: {err.strerror}", file=sys.stderr, flush=True
+        )
 
 
 def refuse(message: str, run_dir: Path | None, code: int = 2) -> NoReturn:

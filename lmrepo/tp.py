@@ -5,6 +5,7 @@ families (Llama, ...), else by DeepSpeed's own parser, which finds the row-paral
 each block. The parser refuses models it has a kernel-injection policy for (GPT-2). Both are
 pure functions of the module structure, so a model on the meta device answers for the real one.
 """
+
 import torch
 
 

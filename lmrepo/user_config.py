@@ -8,6 +8,7 @@ canonical keys (a deprecation is one warning line), and the merged dict is check
 own config model before anything starts, so a typo is one line naming the JSON key, not a
 pydantic traceback inside deepspeed.initialize.
 """
+
 import copy
 import json
 from collections.abc import KeysView
@@ -50,6 +51,7 @@ class UserConfig:
 
 
 # --- names: legacy and alias keys as DeepSpeed's canonical ones --------------------------------
+
 
 def zero_renames() -> dict[str, tuple[str, bool]]:
     """zero_optimization key -> (the name lmrepo and DeepSpeed's docs write, deprecated?), from
@@ -94,6 +96,7 @@ def normalise(user: dict) -> tuple[dict, list[str]]:
 
 # --- "auto": lmrepo's value ------------------------------------------------------------------
 
+
 def enabled(value) -> bool:
     """DeepSpeed reads `enabled` as a bool; JSONs also write 1 and 0."""
     return value is True or (isinstance(value, int) and not isinstance(value, bool) and value == 1)
@@ -104,12 +107,21 @@ def schedule_values(config: TrainConfig) -> dict:
     warmup from 0 to optimizer.lr over schedule.warmup_steps, then the decay to trainer.max_steps."""
     lr, warmup, steps = config.optimizer.lr, config.schedule.warmup_steps, config.trainer.max_steps
     floor = lr * config.schedule.min_lr_ratio
-    return {"warmup_min_lr": 0.0 if warmup else lr, "warmup_max_lr": lr, "warmup_num_steps": max(1, warmup),
-            "warmup_type": "linear", "total_num_steps": steps, "warmup_min_ratio": 0.0 if warmup else 1.0,
-            "cos_min_ratio": config.schedule.min_lr_ratio,
-            # OneCycle: up to the peak over the warmup, down to the floor over the rest of the run
-            "cycle_min_lr": floor, "cycle_max_lr": lr, "cycle_first_step_size": max(1, warmup),
-            "cycle_second_step_size": max(1, steps - max(1, warmup)), "decay_lr_rate": 0.0}
+    return {
+        "warmup_min_lr": 0.0 if warmup else lr,
+        "warmup_max_lr": lr,
+        "warmup_num_steps": max(1, warmup),
+        "warmup_type": "linear",
+        "total_num_steps": steps,
+        "warmup_min_ratio": 0.0 if warmup else 1.0,
+        "cos_min_ratio": config.schedule.min_lr_ratio,
+        # OneCycle: up to the peak over the warmup, down to the floor over the rest of the run
+        "cycle_min_lr": floor,
+        "cycle_max_lr": lr,
+        "cycle_first_step_size": max(1, warmup),
+        "cycle_second_step_size": max(1, steps - max(1, warmup)),
+        "decay_lr_rate": 0.0,
+    }
 
 
 def auto_value(path: str, ours: dict, config: TrainConfig):
@@ -142,8 +154,11 @@ def resolve_autos(user: UserConfig, ours: dict, config: TrainConfig) -> dict:
 
     def walk(node, prefix: str):
         if isinstance(node, dict):
-            return {k: walk(v, f"{prefix}{k}.") for k, v in node.items() if not (prefix == "" and k in BATCH_KEYS
-                                                                                  and v == "auto")}
+            return {
+                k: walk(v, f"{prefix}{k}.")
+                for k, v in node.items()
+                if not (prefix == "" and k in BATCH_KEYS and v == "auto")
+            }
         if isinstance(node, list):
             return [walk(v, prefix) for v in node]
         if node != "auto":
@@ -158,6 +173,7 @@ def resolve_autos(user: UserConfig, ours: dict, config: TrainConfig) -> dict:
 
 
 # --- the merge ---------------------------------------------------------------------------------
+
 
 def merge(ours: dict, user: dict, prefix: str = "") -> tuple[dict, list[str]]:
     """What the user's (auto-free) dict sets wins. Returns the merged dict and the dotted keys it changed."""
@@ -190,7 +206,7 @@ def reconcile_batch(user: UserConfig, merged: dict, resolved: dict, dp_size: int
         return
     for key, value in given.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise user.error(key, f"{value!r} must be a whole number >= 1 (or \"auto\")")
+            raise user.error(key, f'{value!r} must be a whole number >= 1 (or "auto")')
     if len(given) == 1:
         # One key alone: keep lmrepo's micro batch and derive the rest from it.
         if "train_batch_size" not in given:
@@ -200,9 +216,11 @@ def reconcile_batch(user: UserConfig, merged: dict, resolved: dict, dp_size: int
         triple = resolve_batch(given.get(BATCH_KEYS[0]), given.get(BATCH_KEYS[1]), given.get(BATCH_KEYS[2]), dp_size)
     except ConfigError:
         shown = " x ".join(f"{k}={given[k]}" for k in BATCH_KEYS[1:] if k in given)
-        raise ConfigError(f"deepspeed_config={user.path}: batch keys {', '.join(f'{k}={v}' for k, v in given.items())} "
-                          f"do not fit {dp_size} data-parallel rank(s) (train_batch_size = {shown or 'micro x accum'} x "
-                          f"ranks): change them in the JSON, or set them to \"auto\"") from None
+        raise ConfigError(
+            f"deepspeed_config={user.path}: batch keys {', '.join(f'{k}={v}' for k, v in given.items())} "
+            f"do not fit {dp_size} data-parallel rank(s) (train_batch_size = {shown or 'micro x accum'} x "
+            f'ranks): change them in the JSON, or set them to "auto"'
+        ) from None
     merged.update(zip(BATCH_KEYS, triple))
 
 
@@ -212,8 +230,11 @@ def lay_over(ours: dict, user: UserConfig, config: TrainConfig, dp_size: int) ->
     theirs_tp = resolved.get("tensor_parallel")
     if theirs_tp is not None and theirs_tp != ours.get("tensor_parallel", {"autotp_size": 1}):
         size = theirs_tp.get("autotp_size") if isinstance(theirs_tp, dict) else theirs_tp
-        raise user.error("tensor_parallel", f"set tensor parallelism with tp=auto tp.size={size} instead: lmrepo builds "
-                                            "the tensor-parallel groups and checks the model and the rank count for it")
+        raise user.error(
+            "tensor_parallel",
+            f"set tensor parallelism with tp=auto tp.size={size} instead: lmrepo builds "
+            "the tensor-parallel groups and checks the model and the rank count for it",
+        )
     merged, changed = merge(ours, {k: v for k, v in resolved.items() if k not in BATCH_KEYS})
     exclusive_precision(merged, resolved)
     reconcile_batch(user, merged, resolved, dp_size)
@@ -223,6 +244,7 @@ def lay_over(ours: dict, user: UserConfig, config: TrainConfig, dp_size: int) ->
 
 
 # --- DeepSpeed's own verdict ---------------------------------------------------------------------
+
 
 class _ReadKeys(dict):
     """A dict that remembers which of its keys DeepSpeed's config reader looked at."""
@@ -282,19 +304,24 @@ def check_with_deepspeed(merged: dict, user: UserConfig) -> None:
         where = ".".join(str(part) for part in (section, *first["loc"]) if part is not None)
         raise user.error(where or "?", first["msg"]) from None
     except Exception as err:  # DeepSpeed's asserts and ValueErrors: its own message names the key
-        raise ConfigError(f"deepspeed_config={user.path}: DeepSpeed refuses it: "
-                          f"{' '.join(str(err).split())[:300] or type(err).__name__}") from None
+        raise ConfigError(
+            f"deepspeed_config={user.path}: DeepSpeed refuses it: "
+            f"{' '.join(str(err).split())[:300] or type(err).__name__}"
+        ) from None
     unread = sorted(k for k in merged if k not in read and user.sets(k))
     if unread:
-        raise user.error(unread[0], "not a key DeepSpeed reads (it would be ignored without a word): "
-                                    "fix its spelling or remove it")
+        raise user.error(
+            unread[0], "not a key DeepSpeed reads (it would be ignored without a word): fix its spelling or remove it"
+        )
     optimizer = str(merged.get("optimizer", {}).get("type", "")).lower()
     if optimizer in GPU_ONLY_OPTIMIZERS:
         from deepspeed.accelerator import get_accelerator
 
-        require(get_accelerator().device_name() == "cuda",
-                f"deepspeed_config={user.path}: optimizer.type={merged['optimizer']['type']} runs only on GPUs "
-                "(CUDA kernels, or 1-bit compression over NCCL/MPI): use Adam or AdamW on this machine")
+        require(
+            get_accelerator().device_name() == "cuda",
+            f"deepspeed_config={user.path}: optimizer.type={merged['optimizer']['type']} runs only on GPUs "
+            "(CUDA kernels, or 1-bit compression over NCCL/MPI): use Adam or AdamW on this machine",
+        )
 
 
 def _section_of(error: dict, merged: dict) -> str | None:

@@ -9,6 +9,7 @@ that stopped beating. A watchdog thread is the backstop for what no timeout cove
 CPU shared-memory all-reduce spins without one): a rank whose own loop makes no progress for
 twice the timeout records the hang and exits.
 """
+
 import json
 import os
 import socket
@@ -34,8 +35,11 @@ class Watchdog:
         self.step, self.last = step, time.monotonic()
         path = self.directory / f"rank{self.rank:05d}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "step": step, "time": time.time(), "pid": os.getpid(),
-                                   "host": socket.gethostname()}))
+        tmp.write_text(
+            json.dumps(
+                {"rank": self.rank, "step": step, "time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+            )
+        )
         os.replace(tmp, path)
 
     def stop(self) -> None:
@@ -44,9 +48,11 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(min(10.0, self.timeout_s / 4)):
             if time.monotonic() - self.last > 2 * self.timeout_s:
-                self.on_hang(f"rank {self.rank} made no progress for {2 * self.timeout_s:.0f} s after step "
-                             f"{self.step} ({self.laggards() or 'no peer behind it'}; run.hang_timeout_s="
-                             f"{self.timeout_s:g})")
+                self.on_hang(
+                    f"rank {self.rank} made no progress for {2 * self.timeout_s:.0f} s after step "
+                    f"{self.step} ({self.laggards() or 'no peer behind it'}; run.hang_timeout_s="
+                    f"{self.timeout_s:g})"
+                )
                 os._exit(1)
 
     def laggards(self) -> str:
@@ -77,8 +83,10 @@ class Watchdog:
         if not any(sign in text for sign in ("Timed out", "Connection reset", "Connection closed", "timeout")):
             return None
         cause = "a collective timed out" if "imed out" in text or "timeout" in text else "a peer rank died"
-        return (f"{cause} after step {self.step}: {self.laggards() or 'every rank reached the same step'} "
-                f"(run.hang_timeout_s={self.timeout_s:g})")
+        return (
+            f"{cause} after step {self.step}: {self.laggards() or 'every rank reached the same step'} "
+            f"(run.hang_timeout_s={self.timeout_s:g})"
+        )
 
 
 def process_state(pid: int) -> str:

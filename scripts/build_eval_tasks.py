@@ -14,6 +14,7 @@ decoded. Its speeches (a SPEAKER. line, then verse or prose; stage directions re
 - cloze.jsonl     {"context", "choices", "label"}: the same passages, the true last word against the last
   word of another passage, in a seeded order (shakespeare_cloze: 2-way multiple choice, chance 0.5).
 """
+
 import json
 import random
 import re
@@ -25,11 +26,11 @@ from lmrepo.errors import ConfigError, exit_error
 from lmrepo.evaluation.tasks import LOCAL_DIR
 from lmrepo.tokenizer import load_tokenizer
 
-MIN_WORDS = 12        # a passage gives the model something to go on
-MAX_WORDS = 120       # and fits a small model's positions (256 tokens) with room to spare
+MIN_WORDS = 12  # a passage gives the model something to go on
+MAX_WORDS = 120  # and fits a small model's positions (256 tokens) with room to spare
 SEED = 1234
-SPEAKER = re.compile(r"^[A-Z][A-Z' ]*[A-Z]\.$")           # "LEONTES.", "FIRST LORD."
-STAGE_DIRECTION = re.compile(r"\[[^\]]*\]")               # "[Exit.]", "[Music.]" (may span lines)
+SPEAKER = re.compile(r"^[A-Z][A-Z' ]*[A-Z]\.$")  # "LEONTES.", "FIRST LORD."
+STAGE_DIRECTION = re.compile(r"\[[^\]]*\]")  # "[Exit.]", "[Music.]" (may span lines)
 # the last sentence-ending word: letters only, after a space on its line, before . ! or ?
 LAST_WORD = re.compile(r"^(.* )([A-Za-z]{3,})[.!?][^A-Za-z]*$", re.DOTALL)
 
@@ -37,7 +38,7 @@ LAST_WORD = re.compile(r"^(.* )([A-Za-z]{3,})[.!?][^A-Za-z]*$", re.DOTALL)
 def held_out_text() -> str:
     config = load_config([])  # the default job: data=shakespeare, the GPT-2 tokenizer
     tokenizer = load_tokenizer(config.model.tokenizer)
-    (directory, _), = prepare_sources(config.data, tokenizer)
+    ((directory, _),) = prepare_sources(config.data, tokenizer)
     return tokenizer.decode(open_tokens(directory, "val").tolist())
 
 

@@ -1,10 +1,11 @@
 """Compare finished runs: a markdown table (compare.md) and loss/throughput/memory plots.
 
-    python scripts/compare.py multirun/2026-11-21/23-07-59          # a sweep: one row per job
-    python scripts/compare.py outputs/a outputs/b --out reports/ab  # single runs side by side
-    python scripts/compare.py multirun/lr_optuna                    # a search: the runs, then the trials
-    python scripts/compare.py --wandb ENTITY/PROJECT/GROUP --out reports/g   # from W&B
+python scripts/compare.py multirun/2026-11-21/23-07-59          # a sweep: one row per job
+python scripts/compare.py outputs/a outputs/b --out reports/ab  # single runs side by side
+python scripts/compare.py multirun/lr_optuna                    # a search: the runs, then the trials
+python scripts/compare.py --wandb ENTITY/PROJECT/GROUP --out reports/g   # from W&B
 """
+
 import argparse
 import os
 import sys
@@ -31,7 +32,7 @@ def main() -> None:
             # A W&B service process that could not reach its server can block the interpreter's
             # exit (seen here: the error printed, then a hang in wandb's atexit teardown).
             os._exit(2)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     out = args.out or args.dirs[0]
     print(report(jobs, out), end="")
     studies = trials_report(args.dirs, out)  # a search's sweep dir (hparams_search=...): its trials too

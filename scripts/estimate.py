@@ -13,6 +13,7 @@ Arguments are train.py's Hydra overrides plus the keys of the estimate itself:
                      recomputation is 50.5% of peak, 38% counting model FLOPs only)
 No process group, no GPU, nothing written. A bad argument: one line on stderr, exit 2.
 """
+
 import os
 import sys
 from dataclasses import dataclass
@@ -24,9 +25,14 @@ from lmrepo.ds_config import resolve_batch
 from lmrepo.errors import ConfigError, exit_error
 from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 
-
-OWN_KEYS = {"world": (int, 1), "gpus_per_node": (int, None), "tokens": (float, 300e9),
-            "tflops": (float, None), "gpu": (str, "A100"), "mfu": (float, 0.4)}
+OWN_KEYS = {
+    "world": (int, 1),
+    "gpus_per_node": (int, None),
+    "tokens": (float, 300e9),
+    "tflops": (float, None),
+    "gpu": (str, "A100"),
+    "mfu": (float, 0.4),
+}
 OFFLOADS = ("none", "cpu", "nvme")
 GIB = 2**30
 
@@ -61,8 +67,6 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
     return own, overrides
 
 
-
-
 @dataclass
 class Job:
     cfg: TrainConfig
@@ -82,16 +86,32 @@ def load_job(argv: list[str]) -> Job:
         if cfg.precision.dtype == "auto":  # planning for GPUs of compute capability >= 8.0, where auto is bf16
             cfg.precision.dtype = "bf16"
         dp = layout_check(cfg, own["world"])
-        global_batch, micro, _ = resolve_batch(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
-                                               cfg.trainer.grad_accum, dp)
-        return Job(cfg, own, cfg.model.shape(), dp, global_batch, micro,
-                   offload_params=cfg.offload.offloads_params(cfg.zero.stage))
+        global_batch, micro, _ = resolve_batch(
+            cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, cfg.trainer.grad_accum, dp
+        )
+        return Job(
+            cfg,
+            own,
+            cfg.model.shape(),
+            dp,
+            global_batch,
+            micro,
+            offload_params=cfg.offload.offloads_params(cfg.zero.stage),
+        )
     except ConfigError as err:
         fail(str(err))
 
 
-def deepspeed_figures(params: int, largest: int, stage: int, offload: str, offload_params: bool,
-                      gpus_per_node: int, nodes: int, zero_init: bool) -> tuple[float, float] | None:
+def deepspeed_figures(
+    params: int,
+    largest: int,
+    stage: int,
+    offload: str,
+    offload_params: bool,
+    gpus_per_node: int,
+    nodes: int,
+    zero_init: bool,
+) -> tuple[float, float] | None:
     """(GPU per rank, CPU per node) bytes from DeepSpeed's own estimators, for the cases they cover."""
     if offload == "nvme" or stage < 2:
         return None
@@ -102,8 +122,9 @@ def deepspeed_figures(params: int, largest: int, stage: int, offload: str, offlo
     if stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(params, gpus_per_node, nodes, cpu_offload)
     else:
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, gpus_per_node, nodes, cpu_offload,
-                                                            offload_params, zero_init)
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            params, largest, gpus_per_node, nodes, cpu_offload, offload_params, zero_init
+        )
     return gpu, cpu
 
 
@@ -111,10 +132,14 @@ def print_model_states(job: Job, params: int, largest: int) -> None:
     cfg, gpn = job.cfg, job.own["gpus_per_node"]
     dtype, stage, target = cfg.precision.dtype, cfg.zero.stage, cfg.offload.target
     param_b, grad_b, optim_b = estimate.bytes_per_param(dtype)
-    print(f"\nModel states per rank, GiB ({dtype} + Adam: {param_b} params + {grad_b} grads + {optim_b} optimizer "
-          f"bytes/param; ZeRO over {job.dp} ranks; offloaded grads fp32)")
-    print(f"    {'zero':<7}{'offload':<9}{'GPU':>9}{'CPU':>9}{'NVMe':>9}{'CPU/node':>10} | "
-          f"{'DeepSpeed: GPU':>14}{'CPU/node':>10}")
+    print(
+        f"\nModel states per rank, GiB ({dtype} + Adam: {param_b} params + {grad_b} grads + {optim_b} optimizer "
+        f"bytes/param; ZeRO over {job.dp} ranks; offloaded grads fp32)"
+    )
+    print(
+        f"    {'zero':<7}{'offload':<9}{'GPU':>9}{'CPU':>9}{'NVMe':>9}{'CPU/node':>10} | "
+        f"{'DeepSpeed: GPU':>14}{'CPU/node':>10}"
+    )
     for st in range(4):
         for off in OFFLOADS:
             this_job = (st, off) == (stage, target)
@@ -125,17 +150,29 @@ def print_model_states(job: Job, params: int, largest: int) -> None:
             except ValueError:
                 continue
             # DeepSpeed's multipliers assume 16-bit training.
-            theirs = None if dtype == "fp32" else deepspeed_figures(
-                params, largest, st, off, off_params, gpn, job.own["world"] // gpn, cfg.model.zero_init)
+            theirs = (
+                None
+                if dtype == "fp32"
+                else deepspeed_figures(
+                    params, largest, st, off, off_params, gpn, job.own["world"] // gpn, cfg.model.zero_init
+                )
+            )
             ds = f"{theirs[0] / GIB:>14.2f}{theirs[1] / GIB:>10.2f}" if theirs else f"{'-':>14}{'-':>10}"
-            print(f"  {'* ' if this_job else '  '}{'stage' + str(st):<7}{off:<9}{ours.gpu / GIB:>9.2f}"
-                  f"{ours.cpu / GIB:>9.2f}{ours.nvme / GIB:>9.2f}{ours.cpu * gpn / GIB:>10.2f} | {ds}")
-    print("  * = this job. DeepSpeed's estimators (16-bit, stages 2-3, no or cpu offload) also count the fp32\n"
-          "  gradient partition its step makes (+4 bytes/param/dp at stage 2, +2 at stage 3), 4 bytes x the\n"
-          "  largest module at stage 3, a x1.5 host buffer factor and\n  "
-          + ("(model.zero_init) no model copy at start." if cfg.model.zero_init else
-             "(no model.zero_init) a full fp32 model per rank in host memory at start; their stage-2\n"
-             "  figure puts all ranks' copies on every node."))
+            print(
+                f"  {'* ' if this_job else '  '}{'stage' + str(st):<7}{off:<9}{ours.gpu / GIB:>9.2f}"
+                f"{ours.cpu / GIB:>9.2f}{ours.nvme / GIB:>9.2f}{ours.cpu * gpn / GIB:>10.2f} | {ds}"
+            )
+    print(
+        "  * = this job. DeepSpeed's estimators (16-bit, stages 2-3, no or cpu offload) also count the fp32\n"
+        "  gradient partition its step makes (+4 bytes/param/dp at stage 2, +2 at stage 3), 4 bytes x the\n"
+        "  largest module at stage 3, a x1.5 host buffer factor and\n  "
+        + (
+            "(model.zero_init) no model copy at start."
+            if cfg.model.zero_init
+            else "(no model.zero_init) a full fp32 model per rank in host memory at start; their stage-2\n"
+            "  figure puts all ranks' copies on every node."
+        )
+    )
 
 
 def print_gradient_layout(job: Job, params: int, group_sizes: list[list[int]]) -> None:
@@ -146,11 +183,13 @@ def print_gradient_layout(job: Job, params: int, group_sizes: list[list[int]]) -
     held = estimate.zero12_gradient_elements(group_sizes, job.dp)
     worst = max(range(job.dp), key=held.__getitem__)
     stage2 = estimate.model_state_bytes(params, 2, job.dp, dtype=dtype).gpu
-    print(f"  DeepSpeed's ZeRO-1/2 (no offload) keep each gradient whole on every rank whose partition it touches:\n"
-          f"  over {job.dp} ranks the worst (rank {worst}) holds {grad_b * held[worst] / GIB:.2f} GiB of gradients, "
-          f"the division {grad_b * params / job.dp / GIB:.2f}: stage 2 takes "
-          f"{estimate.zero12_model_state_bytes(params, group_sizes, 2, job.dp, dtype)[worst] / GIB:.2f} GiB there, "
-          f"not {stage2 / GIB:.2f}")
+    print(
+        f"  DeepSpeed's ZeRO-1/2 (no offload) keep each gradient whole on every rank whose partition it touches:\n"
+        f"  over {job.dp} ranks the worst (rank {worst}) holds {grad_b * held[worst] / GIB:.2f} GiB of gradients, "
+        f"the division {grad_b * params / job.dp / GIB:.2f}: stage 2 takes "
+        f"{estimate.zero12_model_state_bytes(params, group_sizes, 2, job.dp, dtype)[worst] / GIB:.2f} GiB there, "
+        f"not {stage2 / GIB:.2f}"
+    )
 
 
 def print_activations(job: Job, checkpointed: int) -> None:
@@ -165,8 +204,10 @@ def print_activations(job: Job, checkpointed: int) -> None:
     for label, n in rows:
         total = estimate.activation_bytes(l, h, a, V, s, b, n, job.cfg.precision.dtype)
         print(f"  {'* ' if n == checkpointed else '  '}{label:<45}{total / GIB:>9.2f}")
-    print("  totals include the output layer, 4sbh(1 + V/h) with fp32 logits; an upper bound under fused\n"
-          "  attention (no s x s scores) and dropout 0 (no masks)")
+    print(
+        "  totals include the output layer, 4sbh(1 + V/h) with fp32 logits; an upper bound under fused\n"
+        "  attention (no s x s scores) and dropout 0 (no masks)"
+    )
 
 
 def print_compute(job: Job, params: int, checkpointed: int, peak: float | None) -> None:
@@ -183,12 +224,16 @@ def print_compute(job: Job, params: int, checkpointed: int, peak: float | None) 
     step_flops = executed * job.global_batch * s
     seed = estimate.train_seconds(tokens, params, world, x, recompute=bool(checkpointed))
     print("\nCompute")
-    print(f"  FLOPs per token: model {model_flops:.4g} (72 form), executed {executed:.4g}"
-          + (f" (recomputing {checkpointed} layers)" if checkpointed else ""))
+    print(
+        f"  FLOPs per token: model {model_flops:.4g} (72 form), executed {executed:.4g}"
+        + (f" (recomputing {checkpointed} layers)" if checkpointed else "")
+    )
     print(f"  FLOPs per step:  {step_flops:.4g}")
     print(f"  X = {x:.1f} TFLOP/s per device ({source}): {step_flops / (world * x * 1e12):.3f} s per step")
-    print(f"  {tokens:,.0f} tokens on {world} device(s): {tokens * executed / (world * x * 1e12) / 86400:,.1f} days "
-          f"(seed 003: {8 if checkpointed else 6}TP/(nX) = {seed / 86400:,.1f} days)")
+    print(
+        f"  {tokens:,.0f} tokens on {world} device(s): {tokens * executed / (world * x * 1e12) / 86400:,.1f} days "
+        f"(seed 003: {8 if checkpointed else 6}TP/(nX) = {seed / 86400:,.1f} days)"
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -207,22 +252,35 @@ def main(argv: list[str]) -> None:
 
     l, h = job.shape["n_layer"], job.shape["n_embd"]
     checkpointed = estimate.checkpointed_layers(l, cfg.checkpointing)
-    ckpt = ("none" if not checkpointed else "full" if checkpointed == l
-            else f"every {cfg.checkpointing.every_n_layers} layers")
+    ckpt = (
+        "none"
+        if not checkpointed
+        else "full"
+        if checkpointed == l
+        else f"every {cfg.checkpointing.every_n_layers} layers"
+    )
     s, world, gpn = cfg.data.block_size, own["world"], own["gpus_per_node"]
-    print(f"{cfg.model.name} ({type(model).__name__}): zero=stage{cfg.zero.stage} offload={cfg.offload.target} "
-          f"precision={cfg.precision.dtype} checkpointing={ckpt}")
-    print(f"{world} rank(s) = {world // gpn} node(s) x {gpn}, {job.dp} data-parallel; {job.global_batch} sequences "
-          f"({job.micro} per rank per micro batch) x {s} tokens = {job.global_batch * s:,} tokens per step")
+    print(
+        f"{cfg.model.name} ({type(model).__name__}): zero=stage{cfg.zero.stage} offload={cfg.offload.target} "
+        f"precision={cfg.precision.dtype} checkpointing={ckpt}"
+    )
+    print(
+        f"{world} rank(s) = {world // gpn} node(s) x {gpn}, {job.dp} data-parallel; {job.global_batch} sequences "
+        f"({job.micro} per rank per micro batch) x {s} tokens = {job.global_batch * s:,} tokens per step"
+    )
 
     formula = estimate.formula_parameters(l, h, job.shape["vocab_size"], job.shape["n_positions"])
     print("\nParameters")
     print(f"  exact (transformers, tied embedding once)      {params:>16,}")
-    print(f"  seed 003: 12lh^2(1 + 13/12h + (V+s)/12lh)      {formula:>16,.0f}   ({formula - params:+,.0f}; l={l} "
-          f"h={h} V={job.shape['vocab_size']} s={job.shape['n_positions']})")
+    print(
+        f"  seed 003: 12lh^2(1 + 13/12h + (V+s)/12lh)      {formula:>16,.0f}   ({formula - params:+,.0f}; l={l} "
+        f"h={h} V={job.shape['vocab_size']} s={job.shape['n_positions']})"
+    )
     if cfg.model.family == "llama":
-        print("  (seed 003's formula and the FLOPs below are GPT-2's; Llama's SwiGLU MLP (3 n_embd x n_inner "
-              "matrices), untied output embedding and rotary positions do not follow them: trust the exact count)")
+        print(
+            "  (seed 003's formula and the FLOPs below are GPT-2's; Llama's SwiGLU MLP (3 n_embd x n_inner "
+            "matrices), untied output embedding and rotary positions do not follow them: trust the exact count)"
+        )
     print(f"  largest module (ZeRO-3 gathers it whole)       {largest:>16,}")
     print_model_states(job, params, largest)
     print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))

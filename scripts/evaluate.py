@@ -12,6 +12,7 @@ is consolidated in memory (nothing exported). Writes RUN/eval/<tag>.json (the ha
 one line per task in RUN/metrics.jsonl and the W&B run's summary. A bad argument, BERT, a
 tensor-parallel checkpoint or a hub task without network: one line on stderr, exit 2.
 """
+
 import sys
 
 from lmrepo.evaluation.command import main

@@ -5,6 +5,7 @@
 
 Then: AutoModelForCausalLM.from_pretrained("exported/") (GPT-2) or AutoModelForMaskedLM (BERT).
 """
+
 import argparse
 from pathlib import Path
 

@@ -10,6 +10,7 @@ seed (1234), dtype (fp32 | bf16 | fp16), json (also write the result there). A r
 exported once to RUN/export/<tag>/. Prints the text, tokens/s and the latency per token.
 A bad argument or a refused layout: one line on stderr, exit 2.
 """
+
 import sys
 
 from lmrepo.generate import main

@@ -3,12 +3,14 @@
     python scripts/prepare_data.py                                   # data=shakespeare with GPT-2's tokenizer
     python scripts/prepare_data.py data=text 'data.paths=[corpus/*.txt]'
     python scripts/prepare_data.py data=json data.paths=[docs.jsonl] data.text_field=body model=bert-base
-    python scripts/prepare_data.py data=mixture 'data.sources=[{source:shakespeare,weight:0.7},{source:text,paths:[a.txt],weight:0.3}]'
+    python scripts/prepare_data.py data=mixture \
+        'data.sources=[{source:shakespeare,weight:0.7},{source:text,paths:[a.txt],weight:0.3}]'
 
 Arguments are train.py's Hydra overrides; the tokenizer is the one `model=` (model.tokenizer,
 model.pretrained) would train with. Prints each source's directory and what it holds, and
 whether it was reused from the cache. A bad argument or corpus: one line on stderr, exit 2.
 """
+
 import sys
 import time
 from pathlib import Path
@@ -19,13 +21,14 @@ from lmrepo.errors import ConfigError, exit_error
 from lmrepo.tokenizer import load_tokenizer
 
 
-
 def describe(directory: Path, reused: bool, weight: float | None) -> str:
     meta = load_meta(directory)
     share = f", weight {weight:g}" if weight is not None else ""
-    return (f"{directory}\n  {meta['source']}{share}: {meta['documents']:,} documents, {meta['train_tokens']:,} train + "
-            f"{meta['val_tokens']:,} val tokens, {meta['dtype']}, tokenizer {meta['tokenizer']} "
-            f"({meta['vocab_size']:,} tokens), {'reused from the cache' if reused else 'built'}")
+    return (
+        f"{directory}\n  {meta['source']}{share}: {meta['documents']:,} documents, {meta['train_tokens']:,} train + "
+        f"{meta['val_tokens']:,} val tokens, {meta['dtype']}, tokenizer {meta['tokenizer']} "
+        f"({meta['vocab_size']:,} tokens), {'reused from the cache' if reused else 'built'}"
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -4,6 +4,7 @@ case: the exit code and stderr. Used by tests/test_bad_values.py.
 
     python tests/bad_value_driver.py CASES.json     (a list of argument lists)
 """
+
 import contextlib
 import io
 import json

@@ -4,6 +4,7 @@ Every run uses TINY (a 2-layer, 64-wide GPT-2 on 32-token blocks, fp32: a test t
 precision says so) and a token cache shared by the whole session, so the Shakespeare corpus is
 tokenized once.
 """
+
 import json
 import os
 import resource
@@ -66,9 +67,22 @@ wait_passively_for_openmp_work()
 # collection order (--dist loadfile --no-loadscope-reorder): long files first, the short in-process
 # ones last, so both workers finish together instead of one running a long file alone at the end.
 # Only the order changes; a file missing here runs after these.
-HEAVIEST_FIRST = ("test_distributed.py", "test_ds_configs.py", "test_checkpoint.py", "test_sweep.py",
-                  "test_evaluate.py", "test_faults.py", "test_pipeline.py", "test_train.py", "test_bench.py",
-                  "test_pipelining.py", "test_generate.py", "test_tp.py", "test_search.py", "test_compare.py")
+HEAVIEST_FIRST = (
+    "test_distributed.py",
+    "test_ds_configs.py",
+    "test_checkpoint.py",
+    "test_sweep.py",
+    "test_evaluate.py",
+    "test_faults.py",
+    "test_pipeline.py",
+    "test_train.py",
+    "test_bench.py",
+    "test_pipelining.py",
+    "test_generate.py",
+    "test_tp.py",
+    "test_search.py",
+    "test_compare.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -77,14 +91,19 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--cpu-report", metavar="FILE",
-                     help="append one line per test to FILE: CPU seconds (its own and its processes'), wall seconds, "
-                          "test id, pytest-xdist worker, end time (Unix seconds)")
+    parser.addoption(
+        "--cpu-report",
+        metavar="FILE",
+        help="append one line per test to FILE: CPU seconds (its own and its processes'), wall seconds, "
+        "test id, pytest-xdist worker, end time (Unix seconds)",
+    )
 
 
 def cpu_seconds() -> float:
     """User + system CPU of this process and of every child process it (or they) waited for."""
-    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    return sum(
+        u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -102,9 +121,21 @@ def pytest_runtest_protocol(item, nextitem):
     with open(report, "a") as f:  # one short appended line per test: whole even with two workers
         f.write(f"{cpu_seconds() - start_cpu:.1f}\t{end - start:.1f}\t{item.nodeid}\t{worker}\t{end:.1f}\n")
 
-TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32",
-        "trainer.micro_batch_size=4", "trainer.max_steps=6", "schedule.warmup_steps=1",
-        "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=2", "logger=jsonl", "precision=fp32"]
+
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=6",
+    "schedule.warmup_steps=1",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=2",
+    "logger=jsonl",
+    "precision=fp32",
+]
 # TINY in bf16, one sequence per micro batch: on a CPU without native bf16 every bf16 matmul takes a
 # slow path (~70x fp32), nearly all of it in the 50257-wide output layer, so a TINY step costs by
 # the token. The parity and resume checks hold at any batch size.
@@ -157,21 +188,37 @@ def launcher(ranks: int, via: str = "torchrun") -> list[str]:
     return launch_command(ranks, via)
 
 
-def run_train(overrides: list[str], run_dir: Path, ranks: int = 0, timeout: int = 900,
-              env: dict | None = None, via: str = "torchrun") -> subprocess.CompletedProcess:
+def run_train(
+    overrides: list[str],
+    run_dir: Path,
+    ranks: int = 0,
+    timeout: int = 900,
+    env: dict | None = None,
+    via: str = "torchrun",
+) -> subprocess.CompletedProcess:
     """`python train.py` (ranks=0), or train.py on `ranks` ranks started by `via` (see launcher)."""
     cwd = next(p for p in run_dir.parents if p.is_dir())
-    return subprocess.run([*launcher(ranks, via), str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [*launcher(ranks, via), str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0) -> subprocess.Popen:
     """A TINY run left running (its own process group): for tests that signal or race it. Ranks
     start under DeepSpeed's launcher: what it does with a signal or a dead rank is under test."""
-    return subprocess.Popen([*launcher(ranks, "deepspeed"), str(REPO / "train.py"), *TINY, *overrides,
-                             f"hydra.run.dir={run_dir}"],
-                            cwd=next(p for p in run_dir.parents if p.is_dir()), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [*launcher(ranks, "deepspeed"), str(REPO / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=next(p for p in run_dir.parents if p.is_dir()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(predicate, proc: subprocess.Popen) -> None:
@@ -260,4 +307,6 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    )

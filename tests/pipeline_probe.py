@@ -2,6 +2,7 @@
 step (fp32, ZeRO-0) of tiny GPT-2 on 2 stages, recording on each stage the tied embedding's
 gradient after DeepSpeed all-reduced it and the factor gradient clipping scaled it by, and
 (rank 0) the same step on the whole transformers model. Usage: pipeline_probe.py OUT_DIR [overrides...]"""
+
 import sys
 from pathlib import Path
 
@@ -28,9 +29,15 @@ def main(out: Path, overrides: list[str]) -> None:
     set_seed(cfg.trainer.seed)
     lmrepo_engine = build_engine(cfg, ds)
     global_batch, micro_batch, _ = batch_of(ds)
-    data = LMData(sources, cfg.data.block_size, cfg.model.family, tokenizer,
-                  Layout(global_batch, micro_batch, lmrepo_engine.dp_rank, lmrepo_engine.dp_size),
-                  cfg.trainer.seed, cfg.trainer.eval_batches)
+    data = LMData(
+        sources,
+        cfg.data.block_size,
+        cfg.model.family,
+        tokenizer,
+        Layout(global_batch, micro_batch, lmrepo_engine.dp_rank, lmrepo_engine.dp_size),
+        cfg.trainer.seed,
+        cfg.trainer.eval_batches,
+    )
     batches = data.train_step(0)
 
     engine = lmrepo_engine.ds  # DeepSpeed's PipelineEngine
@@ -54,8 +61,10 @@ def main(out: Path, overrides: list[str]) -> None:
     engine.optimizer.step = record_clip_then_step
     engine.train_batch(pipeline_inputs(batches))
     rank = dist.get_rank()
-    torch.save({"grad": recorded["grad"], "weight": tied.detach().clone(), "clip_coef": recorded["clip_coef"]},
-               out / f"tied_rank{rank}.pt")
+    torch.save(
+        {"grad": recorded["grad"], "weight": tied.detach().clone(), "clip_coef": recorded["clip_coef"]},
+        out / f"tied_rank{rank}.pt",
+    )
 
     if rank == 0:
         # The same step on the whole model: DeepSpeed's pipeline divides each micro batch's loss

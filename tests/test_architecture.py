@@ -1,6 +1,7 @@
 """The shape of the code (README: How the code is laid out): no import cycle between lmrepo's
 modules, the library never imports the benchmarks, and lmrepo's own validation has no
 hand-written type checks (the schema's types do that)."""
+
 import ast
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def test_no_import_cycles():
 
     def visit(node, stack, done):
         if node in stack:
-            cycles.append(stack[stack.index(node):] + [node])
+            cycles.append(stack[stack.index(node) :] + [node])
             return
         if node in done:
             return

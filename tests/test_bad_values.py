@@ -3,6 +3,7 @@ is written: no run directory, no token cache, no W&B run. Each case is a `python
 command line as a user would type it, run through train.py's __main__; for every group a wrong
 type, an out-of-range value and an unknown key (and the enum choices, the moved keys, the
 unknown options)."""
+
 import json
 import os
 import subprocess
@@ -13,50 +14,81 @@ from conftest import PYTHON, REPO
 
 CASES = [
     # model
-    ("model.n_layer=two", "model.n_layer=two"), ("model.n_layer=0", "model.n_layer=0"),
-    ("model.n_head=0", "model.n_head=0"), ("model.family=t5", "model.family=t5"),
-    ("model.dropout=1.5", "model.dropout=1.5"), ("model.n_heads=4", "model.n_heads"),
+    ("model.n_layer=two", "model.n_layer=two"),
+    ("model.n_layer=0", "model.n_layer=0"),
+    ("model.n_head=0", "model.n_head=0"),
+    ("model.family=t5", "model.family=t5"),
+    ("model.dropout=1.5", "model.dropout=1.5"),
+    ("model.n_heads=4", "model.n_heads"),
     ("model=gpt5", "model=gpt5"),
     # data
-    ("data.block_size=16.5", "data.block_size=16.5"), ("data.block_size=4", "data.block_size=4"),
-    ("data.val_fraction=0.9", "data.val_fraction=0.9"), ("data.num_proc=-1", "data.num_proc=-1"),
-    ("data.pathz=[a.txt]", "data.pathz"), ("data=text", "data.paths"), ("data.paths=corpus.txt", "data.paths"),
+    ("data.block_size=16.5", "data.block_size=16.5"),
+    ("data.block_size=4", "data.block_size=4"),
+    ("data.val_fraction=0.9", "data.val_fraction=0.9"),
+    ("data.num_proc=-1", "data.num_proc=-1"),
+    ("data.pathz=[a.txt]", "data.pathz"),
+    ("data=text", "data.paths"),
+    ("data.paths=corpus.txt", "data.paths"),
     # optimizer
-    ("optimizer.lr=abc", "optimizer.lr=abc"), ("optimizer.lr=-1", "optimizer.lr=-1"),
-    ("optimizer.betas=0.9", "optimizer.betas=0.9"), ("optimizer.betas=[0.9]", "optimizer.betas"),
-    ("optimizer.name=lion", "optimizer.name=lion"), ("optimizer.momentum=0.9", "optimizer.momentum"),
+    ("optimizer.lr=abc", "optimizer.lr=abc"),
+    ("optimizer.lr=-1", "optimizer.lr=-1"),
+    ("optimizer.betas=0.9", "optimizer.betas=0.9"),
+    ("optimizer.betas=[0.9]", "optimizer.betas"),
+    ("optimizer.name=lion", "optimizer.name=lion"),
+    ("optimizer.momentum=0.9", "optimizer.momentum"),
     # schedule
-    ("schedule.warmup_steps=1.5", "schedule.warmup_steps=1.5"), ("schedule.warmup_steps=-1", "schedule.warmup_steps=-1"),
-    ("schedule.min_lr_ratio=2", "schedule.min_lr_ratio=2"), ("schedule.decay=cosine", "schedule.decay"),
+    ("schedule.warmup_steps=1.5", "schedule.warmup_steps=1.5"),
+    ("schedule.warmup_steps=-1", "schedule.warmup_steps=-1"),
+    ("schedule.min_lr_ratio=2", "schedule.min_lr_ratio=2"),
+    ("schedule.decay=cosine", "schedule.decay"),
     ("schedule=step", "schedule=step"),
     # trainer (and the keys that moved out of it)
-    ("trainer.micro_batch_size=2.5", "trainer.micro_batch_size=2.5"), ("trainer.seed=-1", "trainer.seed=-1"),
-    ("trainer.max_steps=0", "trainer.max_steps=0"), ("trainer.device=tpu", "trainer.device=tpu"),
-    ("trainer.grad_clip=-1", "trainer.grad_clip=-1"), ("trainer.lr=0.1", "optimizer.lr"),
-    ("trainer.warmup_steps=10", "schedule.warmup_steps"), ("trainer.max_step=5", "trainer.max_step"),
+    ("trainer.micro_batch_size=2.5", "trainer.micro_batch_size=2.5"),
+    ("trainer.seed=-1", "trainer.seed=-1"),
+    ("trainer.max_steps=0", "trainer.max_steps=0"),
+    ("trainer.device=tpu", "trainer.device=tpu"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip=-1"),
+    ("trainer.lr=0.1", "optimizer.lr"),
+    ("trainer.warmup_steps=10", "schedule.warmup_steps"),
+    ("trainer.max_step=5", "trainer.max_step"),
     # precision
-    ("precision.dtype=fp8", "precision.dtype=fp8"), ("precision.loss_scale=-1", "precision.loss_scale=-1"),
+    ("precision.dtype=fp8", "precision.dtype=fp8"),
+    ("precision.loss_scale=-1", "precision.loss_scale=-1"),
     ("precision.scale=2", "precision.scale"),
     # zero
-    ("zero.stage=5", "zero.stage=5"), ("zero.stage=two", "zero.stage=two"),
-    ("zero.reduce_bucket_size=-5", "zero.reduce_bucket_size=-5"), ("zero.overlap=true", "zero.overlap"),
+    ("zero.stage=5", "zero.stage=5"),
+    ("zero.stage=two", "zero.stage=two"),
+    ("zero.reduce_bucket_size=-5", "zero.reduce_bucket_size=-5"),
+    ("zero.overlap=true", "zero.overlap"),
     # offload
-    ("offload.params=maybe", "offload.params=maybe"), ("offload.target=disk", "offload.target=disk"),
+    ("offload.params=maybe", "offload.params=maybe"),
+    ("offload.target=disk", "offload.target=disk"),
     ("offload.pin=true", "offload.pin"),
     # pipeline
-    ("pipeline.stages=0", "pipeline.stages=0"), ("pipeline.schedule=zb", "pipeline.schedule=zb"),
-    ("pipeline.virtual_stages=x", "pipeline.virtual_stages=x"), ("pipeline.engine=torch", "pipeline.engine"),
+    ("pipeline.stages=0", "pipeline.stages=0"),
+    ("pipeline.schedule=zb", "pipeline.schedule=zb"),
+    ("pipeline.virtual_stages=x", "pipeline.virtual_stages=x"),
+    ("pipeline.engine=torch", "pipeline.engine"),
     # tp
-    ("tp.mode=megatron", "tp.mode=megatron"), ("tp.size=0", "tp.size=0"), ("tp.degree=2", "tp.degree"),
+    ("tp.mode=megatron", "tp.mode=megatron"),
+    ("tp.size=0", "tp.size=0"),
+    ("tp.degree=2", "tp.degree"),
     # checkpointing
-    ("checkpointing.every_n_layers=x", "checkpointing.every_n_layers=x"), ("checkpointing.impl=fast", "checkpointing.impl=fast"),
+    ("checkpointing.every_n_layers=x", "checkpointing.every_n_layers=x"),
+    ("checkpointing.impl=fast", "checkpointing.impl=fast"),
     ("checkpointing=full checkpointing.every_n_layers=99", "checkpointing.every_n_layers=99"),
     # logger
-    ("logger.mode=sometimes", "logger.mode=sometimes"), ("logger.tags=5", "logger.tags=5"), ("logger.projekt=x", "logger.projekt"),
+    ("logger.mode=sometimes", "logger.mode=sometimes"),
+    ("logger.tags=5", "logger.tags=5"),
+    ("logger.projekt=x", "logger.projekt"),
     # metrics, launcher, run, the user's JSON, unknown keys anywhere
-    ("metrics.peak_tflops=-3", "metrics.peak_tflops=-3"), ("launcher.ranks=0", "launcher.ranks=0"),
-    ("run.resumee=auto", "run.resumee"), ("deepspeed_config=/nonexistent/ds.json", "deepspeed_config=/nonexistent/ds.json"),
-    ("foo=1", "foo"), ("+foo=1", "foo"), ("+trainer.foo=1", "trainer.foo"),
+    ("metrics.peak_tflops=-3", "metrics.peak_tflops=-3"),
+    ("launcher.ranks=0", "launcher.ranks=0"),
+    ("run.resumee=auto", "run.resumee"),
+    ("deepspeed_config=/nonexistent/ds.json", "deepspeed_config=/nonexistent/ds.json"),
+    ("foo=1", "foo"),
+    ("+foo=1", "foo"),
+    ("+trainer.foo=1", "trainer.foo"),
 ]
 
 
@@ -69,8 +101,14 @@ def verdicts(tmp_path_factory):
     work.mkdir()
     (root / "cases.json").write_text(json.dumps([overrides.split() for overrides, _ in CASES]))
     env = dict(os.environ, LMREPO_CACHE=str(cache), WANDB_MODE="offline")
-    proc = subprocess.run([PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")], cwd=work,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {" ".join(r["args"]): r for r in map(json.loads, proc.stdout.splitlines())}
     return results, work, cache
@@ -94,15 +132,36 @@ def test_nothing_is_left_behind(verdicts):
 
 def test_a_bad_value_is_one_line_from_a_fresh_process_too(tmp_path):
     """The battery runs in one interpreter; this is the same as its own process."""
-    proc = subprocess.run([PYTHON, str(REPO / "train.py"), "trainer.micro_batch_size=2.5"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "train.py"), "trainer.micro_batch_size=2.5"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "lmrepo: error: trainer.micro_batch_size=2.5: Value '2.5' of type 'float' could not be converted to Integer"]
+        "lmrepo: error: trainer.micro_batch_size=2.5: Value '2.5' of type 'float' could not be converted to Integer"
+    ]
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_battery_covers_every_group():
     groups = {c[0].split("=")[0].lstrip("+").split(".")[0] for c in CASES}
-    assert {"model", "data", "optimizer", "schedule", "trainer", "precision", "zero", "offload", "pipeline", "tp",
-            "checkpointing", "logger", "metrics", "launcher", "run"} <= groups
+    assert {
+        "model",
+        "data",
+        "optimizer",
+        "schedule",
+        "trainer",
+        "precision",
+        "zero",
+        "offload",
+        "pipeline",
+        "tp",
+        "checkpointing",
+        "logger",
+        "metrics",
+        "launcher",
+        "run",
+    } <= groups
     assert len(CASES) >= 30

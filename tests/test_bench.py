@@ -4,6 +4,7 @@ lmrepo.estimate predicts, the CPU matmul peak MFU is measured against is a posit
 benchmarks/bench_data.py --quick prints every ratio. A smoke run proves a benchmark runs and its
 output is sane, not how fast the machine is: tiny models in fp32 (bf16 only where a section is
 about it), few steps, small matrices."""
+
 import json
 import subprocess
 import sys
@@ -11,20 +12,26 @@ import sys
 import pytest
 
 from conftest import PYTHON, REPO, assert_ok
-
 from lmrepo.estimate import model_state_bytes, zero12_model_state_bytes
 
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks import their helpers as `common`, not as a package
 from common import measure_cpu_peak_tflops  # noqa: E402
 
-HEADINGS = ("## Machine", "## CPU matmul peak", "## 1. train.py vs bare DeepSpeed loop",
-            "## 2. train.py vs Hugging Face Trainer", "## 3. Model-state memory per rank", "## 4. torch.compile")
+HEADINGS = (
+    "## Machine",
+    "## CPU matmul peak",
+    "## 1. train.py vs bare DeepSpeed loop",
+    "## 2. train.py vs Hugging Face Trainer",
+    "## 3. Model-state memory per rank",
+    "## 4. torch.compile",
+)
 
 
 def run_benchmark(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, str(BENCHMARKS / name), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return subprocess.run(
+        [PYTHON, str(BENCHMARKS / name), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 def test_measure_cpu_peak_tflops_is_positive():
@@ -53,8 +60,9 @@ def test_bench_quick_prints_every_section(tmp_path):
         assert row["dtype"] == "bf16", row
         held = row["params"] + row["grads"] + row["optimizer"]
         if row["stage"] in (1, 2):
-            expected = zero12_model_state_bytes(row["n_params"], row["group_sizes"], row["stage"], 2,
-                                                row["dtype"])[row["rank"]]
+            expected = zero12_model_state_bytes(row["n_params"], row["group_sizes"], row["stage"], 2, row["dtype"])[
+                row["rank"]
+            ]
             assert held == pytest.approx(expected, rel=1e-3), row
         else:
             expected = model_state_bytes(row["n_params"], row["stage"], 2, dtype=row["dtype"]).gpu
@@ -64,8 +72,14 @@ def test_bench_quick_prints_every_section(tmp_path):
 def test_bench_data_quick():
     proc = run_benchmark("bench_data.py", "--quick", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for line in ("ratio prepare / seeds, one pass:", "ratio prepare / seeds, per CPU-second:",
-                 "ratio tokenizer alone / seeds, per CPU-second:", "ratio train_step supply / seeds:",
-                 "ratio over E epochs", "padding waste: seeds",
-                 "fraction of a step waiting for data:", "ratio x10 / x1 peak memory:"):
+    for line in (
+        "ratio prepare / seeds, one pass:",
+        "ratio prepare / seeds, per CPU-second:",
+        "ratio tokenizer alone / seeds, per CPU-second:",
+        "ratio train_step supply / seeds:",
+        "ratio over E epochs",
+        "padding waste: seeds",
+        "fraction of a step waiting for data:",
+        "ratio x10 / x1 peak memory:",
+    ):
         assert line in proc.stdout

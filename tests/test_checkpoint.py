@@ -1,6 +1,7 @@
 """Checkpoints that never lose work, on real 2-rank CPU runs: resumed equals uninterrupted,
 kill -9 during a save keeps a loadable `latest`, SIGTERM saves and stops, a different
 data-parallel size resumes through the universal format, export to Hugging Face."""
+
 import json
 import os
 import shutil
@@ -12,8 +13,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import BF16, PYTHON, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, \
-    stop_with_signal, wait_for
+from conftest import (
+    BF16,
+    PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    logged_steps,
+    popen_train,
+    read_metrics,
+    run_train,
+    stop_with_signal,
+    wait_for,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -22,18 +34,25 @@ FIRST = "checkpoints/step_00000003"
 
 def trajectory(run_dir: Path, after: int = 0) -> list[tuple]:
     """(step, loss, lr) and (step, eval_loss) lines past `after`: what must match exactly."""
-    return [(m["step"], m.get("loss"), m.get("lr"), m.get("eval_loss")) for m in read_metrics(run_dir)
-            if m["step"] > after and ("loss" in m or "eval_loss" in m)]
+    return [
+        (m["step"], m.get("loss"), m.get("lr"), m.get("eval_loss"))
+        for m in read_metrics(run_dir)
+        if m["step"] > after and ("loss" in m or "eval_loss" in m)
+    ]
 
 
 # One layout per optimizer DeepSpeed builds: ZeRO-0 fp32, ZeRO-1/2's (with CPU offload, and bf16
 # with accumulation), ZeRO-3's. (ZeRO-1 and ZeRO-3 fp32 also resumed bit for bit when measured.)
-@pytest.mark.parametrize("overrides", [
-    ("zero=stage0", "precision=fp32"),
-    ("zero=stage2", "precision=fp32", "offload=cpu"),
-    ("zero=stage2", *BF16, "trainer.grad_accum=2"),
-    ("zero=stage3", *BF16),
-], ids=["stage0-fp32", "stage2-fp32-cpu", "stage2-bf16-2", "stage3-bf16"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("zero=stage0", "precision=fp32"),
+        ("zero=stage2", "precision=fp32", "offload=cpu"),
+        ("zero=stage2", *BF16, "trainer.grad_accum=2"),
+        ("zero=stage3", *BF16),
+    ],
+    ids=["stage0-fp32", "stage2-fp32-cpu", "stage2-bf16-2", "stage3-bf16"],
+)
 def test_resumed_run_equals_uninterrupted(launch2, overrides):
     uninterrupted = launch2(*overrides)
     resumed = launch2(*overrides, f"run.resume={uninterrupted / FIRST}")
@@ -46,12 +65,20 @@ def test_resume_on_other_rank_counts_through_the_universal_checkpoint(launch2, t
     batch = ["zero=stage2", "precision=fp32", "trainer.micro_batch_size=2", "trainer.max_steps=8"]
     two_ranks = launch2(*batch, "trainer.grad_accum=3")
     one_rank = tmp_path / "one"
-    assert_ok(run_train([*TINY, *batch, "trainer.grad_accum=6", "trainer.save_every=3",
-                         f"run.resume={two_ranks / FIRST}"], one_rank))
+    assert_ok(
+        run_train(
+            [*TINY, *batch, "trainer.grad_accum=6", "trainer.save_every=3", f"run.resume={two_ranks / FIRST}"], one_rank
+        )
+    )
     assert (two_ranks / (FIRST + "_universal")).is_dir()
     three_ranks = tmp_path / "three"
-    assert_ok(run_train([*TINY, *batch, "trainer.grad_accum=2", f"run.resume={one_rank / 'checkpoints/step_00000006'}"],
-                        three_ranks, ranks=3))
+    assert_ok(
+        run_train(
+            [*TINY, *batch, "trainer.grad_accum=2", f"run.resume={one_rank / 'checkpoints/step_00000006'}"],
+            three_ranks,
+            ranks=3,
+        )
+    )
     reference = trajectory(two_ranks)
     for resumed, after in ((one_rank, 3), (three_ranks, 6)):
         ours, theirs = trajectory(resumed), [t for t in reference if t[0] > after]
@@ -90,7 +117,9 @@ def test_a_checkpoint_resumes_with_the_adam_that_wrote_it(tmp_path):
 def test_kill_9_during_saves_keeps_latest_loadable(tmp_path):
     run_dir = tmp_path / "run"
     # A checkpoint every step: most of the run's time is spent saving, so the kill lands in one.
-    proc = popen_train(["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.save_every=1"], run_dir, ranks=2)
+    proc = popen_train(
+        ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.save_every=1"], run_dir, ranks=2
+    )
     wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 4, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
@@ -99,8 +128,9 @@ def test_kill_9_during_saves_keeps_latest_loadable(tmp_path):
     assert {"mp_rank_00_model_states.pt", "rng_rank00000.pt", "rng_rank00001.pt"} <= set(files)
     assert sum("zero_pp_rank" in f for f in files) == 2
     step = int(latest.split("_")[1])
-    resumed = run_train([*TINY, "zero=stage2", "precision=fp32", f"trainer.max_steps={step + 1}", "run.resume=auto"],
-                        run_dir, ranks=2)
+    resumed = run_train(
+        [*TINY, "zero=stage2", "precision=fp32", f"trainer.max_steps={step + 1}", "run.resume=auto"], run_dir, ranks=2
+    )
     assert_ok(resumed)
     assert f"resumed from {run_dir / 'checkpoints' / latest} at step {step}" in resumed.stdout
 
@@ -115,15 +145,23 @@ def test_export_loads_in_transformers_with_the_runs_eval_loss(launch2, tmp_path,
 
     run_dir = launch2(f"zero=stage{stage}", "precision=fp32")
     out = tmp_path / "hf"
-    proc = subprocess.run([PYTHON, str(REPO / "scripts" / "export_hf.py"),
-                           str(run_dir), str(out)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     # The run evaluated 2 batches on each of 2 ranks: the same blocks are 4 batches on one.
-    data = LMData(prepare(cfg.data, tokenizer), cfg.data.block_size, "gpt2", tokenizer,
-                  Layout(global_batch=4, micro_batch=4, dp_rank=0, dp_size=1), cfg.trainer.seed, eval_batches=4)
+    data = LMData(
+        prepare(cfg.data, tokenizer),
+        cfg.data.block_size,
+        "gpt2",
+        tokenizer,
+        Layout(global_batch=4, micro_batch=4, dp_rank=0, dp_size=1),
+        cfg.trainer.seed,
+        eval_batches=4,
+    )
     with torch.no_grad():
         eval_loss = torch.stack([model(**batch).loss for batch in data.eval_batches()]).mean().item()
     expected = [m["eval_loss"] for m in read_metrics(run_dir) if "eval_loss" in m][-1]

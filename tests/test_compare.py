@@ -1,4 +1,5 @@
 """scripts/compare.py on a real sweep directory: two short trainings and one rejected job."""
+
 import json
 import os
 import subprocess
@@ -12,8 +13,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def compare(*args, timeout=120, env=None):
-    return subprocess.run([PYTHON, COMPARE, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([PYTHON, COMPARE, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

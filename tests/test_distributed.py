@@ -8,6 +8,7 @@ checkpointing mode must give the same training loss. Tolerances:
   computed in bf16, whose unit roundoff is 2**-8 = 0.4%; a different reduction order moves a
   gradient by up to that much and the difference compounds for a few steps: 2e-2 relative.
 """
+
 import pytest
 
 from conftest import BF16, read_metrics, train_losses
@@ -54,14 +55,31 @@ def test_cpu_offload_matches_no_offload(launch2):
 def test_nvme_offload_matches_no_offload(launch2, tmp_path):
     # 3 steps, no checkpoint: every step through libaio is slow on this machine's disk.
     reference = train_losses(launch2("zero=stage3", "precision=fp32"))[:3]
-    nvme = train_losses(launch2("zero=stage3", "precision=fp32", "offload=nvme", f"offload.nvme_path={tmp_path}",
-                                "trainer.max_steps=3", "trainer.save_every=0"))
+    nvme = train_losses(
+        launch2(
+            "zero=stage3",
+            "precision=fp32",
+            "offload=nvme",
+            f"offload.nvme_path={tmp_path}",
+            "trainer.max_steps=3",
+            "trainer.save_every=0",
+        )
+    )
     assert_close(nvme, reference, FP32_TOL)
 
 
 @pytest.mark.parametrize("mode", ["full", "every_n"])
 def test_activation_checkpointing_matches_none(launch2, mode):
     reference = train_losses(launch2("zero=stage0", "precision=fp32"))
-    assert_close(train_losses(launch2("zero=stage0", "precision=fp32", f"checkpointing={mode}",
-                                     "checkpointing.every_n_layers=1" if mode == "full" else "checkpointing.every_n_layers=2")),
-                 reference, FP32_TOL)
+    assert_close(
+        train_losses(
+            launch2(
+                "zero=stage0",
+                "precision=fp32",
+                f"checkpointing={mode}",
+                "checkpointing.every_n_layers=1" if mode == "full" else "checkpointing.every_n_layers=2",
+            )
+        ),
+        reference,
+        FP32_TOL,
+    )

@@ -2,6 +2,7 @@
 in its README), each through `python train.py deepspeed_config=FILE` on a tiny GPT-2 for 2 steps:
 it trains, or stops before launch with exactly one `lmrepo: error:` line naming the JSON key and
 exit 2; never a traceback. Plus the 2-rank cases and a resume with a user JSON."""
+
 import json
 import subprocess
 from pathlib import Path
@@ -65,7 +66,7 @@ def assert_trained(proc, run_dir: Path) -> dict:
     assert "Traceback" not in proc.stderr + proc.stdout
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 2]
     ds = json.loads((run_dir / "ds_config.json").read_text())
-    assert '"auto"' not in json.dumps(ds), "every \"auto\" is resolved"
+    assert '"auto"' not in json.dumps(ds), 'every "auto" is resolved'
     return ds
 
 
@@ -90,8 +91,13 @@ def refusals(tmp_path_factory):
     root = tmp_path_factory.mktemp("refused")
     cases = [[*SHORT, f"deepspeed_config={CONFIGS / name}", f"hydra.run.dir={root / name}"] for name in REFUSED]
     (root / "cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run([PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")], cwd=root,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root, {Path(r["args"][-2].split("=", 1)[1]).name: r for r in map(json.loads, proc.stdout.splitlines())}
 
@@ -115,7 +121,11 @@ def test_a_batch_that_fits_two_ranks_runs_on_two(tmp_path):
     proc = run_train([*SHORT, f"deepspeed_config={CONFIGS / name}"], run_dir, ranks=2, via="deepspeed")  # its exit code
     if FP16:
         ds = assert_trained(proc, run_dir)
-        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (2, 1, 1)
+        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+            2,
+            1,
+            1,
+        )
     else:
         assert_refused_in_one_line(proc, run_dir, "change fp16.enabled in deepspeed_config=")
 
@@ -126,8 +136,14 @@ def test_json_batch_is_rederived_for_two_ranks_and_resumes(tmp_path):
     4 on two. Saved, then resumed with the same JSON: the run continues where it stopped."""
     name = CONFIGS / "deepspeed_tests_bingbertsquad_bsz24_fp32_config.json"
     run_dir = tmp_path / "run"
-    ds = assert_trained(run_train([*SHORT, f"deepspeed_config={name}", "trainer.save_every=2"], run_dir, ranks=2), run_dir)
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (24, 3, 4)
+    ds = assert_trained(
+        run_train([*SHORT, f"deepspeed_config={name}", "trainer.save_every=2"], run_dir, ranks=2), run_dir
+    )
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        24,
+        3,
+        4,
+    )
     resumed = run_train([*TINY, "trainer.max_steps=3", f"deepspeed_config={name}", "run.resume=auto"], run_dir, ranks=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 2, 3]

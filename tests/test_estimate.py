@@ -1,6 +1,7 @@
 """The pre-flight estimator: formulas against hand-computed values and the seed 003 examples, exact
 parameter counts against transformers, model-state memory against the ZeRO paper and DeepSpeed's
 own estimators, and scripts/estimate.py as a user runs it."""
+
 import importlib.util
 import subprocess
 
@@ -8,9 +9,9 @@ import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
+from conftest import PYTHON, REPO, compose_config
 from lmrepo import estimate
 from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
-from conftest import PYTHON, REPO, compose_config
 
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 # The well-known totals of the GPT-2 checkpoints as transformers counts them (tied head once).
@@ -29,8 +30,8 @@ def test_parameter_formula_gpt2_124m():
 def test_flops_per_token_gpt2_124m():
     # Forward per token: per layer QKV 6h^2, scores and weighted values 4sh, projection 2h^2, MLP 16h^2;
     # logits 2hV. Backward is twice the forward; recomputation reruns the layers' forward once more.
-    layers = 12 * (24 * 768**2 + 4 * 1024 * 768)      # 207,618,048
-    logits = 2 * 768 * 50257                           # 77,194,752
+    layers = 12 * (24 * 768**2 + 4 * 1024 * 768)  # 207,618,048
+    logits = 2 * 768 * 50257  # 77,194,752
     assert layers == 207_618_048 and logits == 77_194_752
     assert flops_per_token(12, 768, 1024, 50257, recompute=False) == pytest.approx(3 * (layers + logits), rel=1e-12)
     assert flops_per_token(12, 768, 1024, 50257, recompute=True) == pytest.approx(4 * layers + 3 * logits, rel=1e-12)
@@ -87,7 +88,7 @@ def test_exact_parameters_of_every_preset(preset):
         kv = m.n_kv_head * (h // m.n_head)
         expected = l * (2 * h * h + 2 * h * kv + 3 * h * m.n_inner + 2 * h) + V * h * (1 if tied else 2) + h
     elif m.family == "gpt2":
-        expected = round(estimate.formula_parameters(l, h, V, s)) + 2 * h   # + final layer norm
+        expected = round(estimate.formula_parameters(l, h, V, s)) + 2 * h  # + final layer norm
     else:
         # BERT: the same blocks (n_inner = 4h) and embeddings, plus 2 token types, the embedding
         # norm, and the MLM head's dense h x h, its norm and the decoder bias.
@@ -120,8 +121,9 @@ def test_model_states_offload_placement():
     assert estimate.model_state_bytes(P, 1, N, "cpu") == estimate.ModelStates(gpu=4 * P, cpu=16 * P / N, nvme=0)
     assert estimate.model_state_bytes(P, 2, N, "cpu") == estimate.ModelStates(gpu=2 * P, cpu=16 * P / N, nvme=0)
     assert estimate.model_state_bytes(P, 3, N, "cpu") == estimate.ModelStates(gpu=0, cpu=18 * P / N, nvme=0)
-    assert estimate.model_state_bytes(P, 3, N, "cpu", offload_params=False) == \
-        estimate.ModelStates(gpu=2 * P / N, cpu=16 * P / N, nvme=0)
+    assert estimate.model_state_bytes(P, 3, N, "cpu", offload_params=False) == estimate.ModelStates(
+        gpu=2 * P / N, cpu=16 * P / N, nvme=0
+    )
     assert estimate.model_state_bytes(P, 3, N, "nvme") == estimate.ModelStates(gpu=0, cpu=4 * P / N, nvme=14 * P / N)
     # fp32: 4 + 4 + 8 at stage 0; DeepSpeed's ZeRO-1/2 optimizer adds its own fp32 partition copy.
     assert estimate.model_state_bytes(P, 0, N, dtype="fp32").gpu == 16 * P
@@ -199,8 +201,14 @@ def test_matches_deepspeed_zero3(nodes, gpus_per_node, zero_init):
     for offload, params in (("none", False), ("cpu", True), ("cpu", False)):
         ours = estimate.model_state_bytes(P, 3, N, offload, params)
         cpu, gpu, largest_memory = estimate_zero3_model_states_mem_needs(
-            P, LARGEST, gpus_per_node, nodes, cpu_offload=offload == "cpu", cpu_offload_params=params,
-            zero_init=zero_init)
+            P,
+            LARGEST,
+            gpus_per_node,
+            nodes,
+            cpu_offload=offload == "cpu",
+            cpu_offload_params=params,
+            zero_init=zero_init,
+        )
         assert largest_memory == 4 * LARGEST
         fp32_grads = 2 * P / N if offload == "none" else 0
         assert gpu == pytest.approx(ours.gpu + 4 * LARGEST + fp32_grads, abs=1), offload
@@ -215,7 +223,7 @@ def test_activation_memory_gpt2():
     # Korthikanti eq. 1, s=1024, b=4, h=768, a=12: sbh = 3,145,728; 34 + 5*12*1024/768 = 114.
     per_layer = 3_145_728 * 114
     assert estimate.activation_bytes_per_layer(1024, 4, 768, 12) == pytest.approx(per_layer)
-    output = 4 * 3_145_728 * (1 + 50257 / 768)   # layer norm + projection inputs, fp32 logits
+    output = 4 * 3_145_728 * (1 + 50257 / 768)  # layer norm + projection inputs, fp32 logits
     assert estimate.activation_bytes(12, 768, 12, 50257, 1024, 4) == pytest.approx(12 * per_layer + output)
     # Full checkpointing: each layer keeps its 16-bit input (2sbh) and one layer is live in recompute.
     full = estimate.activation_bytes(12, 768, 12, 50257, 1024, 4, checkpointed_layers=12)
@@ -227,13 +235,22 @@ def test_activation_memory_gpt2():
 
 
 def run_estimate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, str(REPO / "scripts" / "estimate.py"), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "estimate.py"), *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_script_prints_the_estimate():
-    proc = run_estimate("model=gpt2-xl", "zero=stage3", "offload=cpu", "trainer.micro_batch_size=4", "world=64",
-                        "data.block_size=1024", "tflops=150", "checkpointing=full")
+    proc = run_estimate(
+        "model=gpt2-xl",
+        "zero=stage3",
+        "offload=cpu",
+        "trainer.micro_batch_size=4",
+        "world=64",
+        "data.block_size=1024",
+        "tflops=150",
+        "checkpointing=full",
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "1,557,611,200" in out and "1,557,608,000" in out and "80,411,200" in out
@@ -241,8 +258,14 @@ def test_script_prints_the_estimate():
     ours = estimate.model_state_bytes(P, 3, 64, "cpu")
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(P, LARGEST, 8, 8, True, True, False)
     figures = [ours.gpu, ours.cpu, ours.nvme, 8 * ours.cpu, gpu, cpu]
-    assert chosen.split() == ["*", "stage3", "cpu", *(f"{b / 2**30:.2f}" for b in figures[:4]), "|",
-                              *(f"{b / 2**30:.2f}" for b in figures[4:])]
+    assert chosen.split() == [
+        "*",
+        "stage3",
+        "cpu",
+        *(f"{b / 2**30:.2f}" for b in figures[:4]),
+        "|",
+        *(f"{b / 2**30:.2f}" for b in figures[4:]),
+    ]
     assert "262,144 tokens per step" in out
     step_flops = 262_144 * flops_per_token(48, 1600, 1024, 50257, recompute=True)
     assert f"FLOPs per step:  {step_flops:.4g}" in out
@@ -265,19 +288,32 @@ def load_script():
     return script
 
 
-@pytest.mark.parametrize("args", [[], ["model=gpt2-xl", "zero=stage3", "offload=cpu", "trainer.micro_batch_size=4",
-                                       "world=64"], ["model=bert-tiny", "checkpointing=every_n", "precision=fp32"],
-                                  ["zero=stage3", "offload=nvme", "gpu=H100", "mfu=0.5", "tokens=1e9"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["model=gpt2-xl", "zero=stage3", "offload=cpu", "trainer.micro_batch_size=4", "world=64"],
+        ["model=bert-tiny", "checkpointing=every_n", "precision=fp32"],
+        ["zero=stage3", "offload=nvme", "gpu=H100", "mfu=0.5", "tokens=1e9"],
+    ],
+)
 def test_script_in_process(args, capsys):
     load_script().main(args)
     out, err = capsys.readouterr()
     assert "Parameters" in out and "Model states" in out and "days" in out and err == ""
 
 
-@pytest.mark.parametrize("args,key", [(["no_such_key=1"], "no_such_key"), (["model=gpt5"], "model=gpt5"),
-                                      (["zero=stage1", "offload=nvme"], "NVMe offload needs ZeRO-3"),
-                                      (["tflops=-3"], "tflops=-3"), (["world=6", "gpus_per_node=4"], "gpus_per_node"),
-                                      (["model=gpt2", "data.block_size=2048"], "data.block_size=2048")])
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["no_such_key=1"], "no_such_key"),
+        (["model=gpt5"], "model=gpt5"),
+        (["zero=stage1", "offload=nvme"], "NVMe offload needs ZeRO-3"),
+        (["tflops=-3"], "tflops=-3"),
+        (["world=6", "gpus_per_node=4"], "gpus_per_node"),
+        (["model=gpt2", "data.block_size=2048"], "data.block_size=2048"),
+    ],
+)
 def test_script_bad_input_in_process(args, key, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load_script().main(args)
@@ -286,9 +322,18 @@ def test_script_bad_input_in_process(args, key, capsys):
     assert out == "" and len(err.strip().splitlines()) == 1 and key in err
 
 
-@pytest.mark.parametrize("name, bf16", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
-                                        ("NVIDIA H100 NVL", 835.5), ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.5),
-                                        ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla V100-SXM2-32GB", None)])
+@pytest.mark.parametrize(
+    "name, bf16",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.5),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA H200 NVL", 835.5),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Tesla V100-SXM2-32GB", None),
+    ],
+)
 def test_peak_table_tells_gpu_forms_apart(name, bf16):
     """torch.cuda.get_device_name() of each form: the SXM, PCIe and NVL H100 differ in clocks
     and power, and so in peak (datasheets: 989 / 756 / 835 dense bf16 TFLOP/s). The V100 has no

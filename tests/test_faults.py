@@ -3,6 +3,7 @@ two runs into one run.dir, checkpoints damaged on disk, a pickle with a payload,
 step, a rank stopped with SIGSTOP, the Slurm pre-emption signal, full disks and unwritable
 directories. Each fault is one `lmrepo: error:` line (or the run's own failure status), nothing
 written or deleted beyond what lmrepo created."""
+
 import errno
 import json
 import os
@@ -16,8 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TINY, assert_ok, free_port, logged_steps, popen_train, read_metrics, run_train,
-                      stop_with_signal, wait_for)
+from conftest import (
+    PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    free_port,
+    logged_steps,
+    popen_train,
+    read_metrics,
+    run_train,
+    stop_with_signal,
+    wait_for,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -30,6 +42,7 @@ def one_error_line(proc) -> str:
 
 
 # --- one run per directory ----------------------------------------------------------------------
+
 
 def test_one_run_owns_its_directory(tmp_path):
     run_dir = tmp_path / "run"
@@ -47,8 +60,9 @@ def test_one_run_owns_its_directory(tmp_path):
     fresh = run_train(TINY, run_dir)  # a fresh run into a used directory
     assert fresh.returncode == 2 and "already holds a run" in one_error_line(fresh)
     assert "run.resume=auto" in one_error_line(fresh)
-    resumed = run_train([*TINY, f"trainer.max_steps={status['final']['step'] + 1}", "schedule=constant",
-                         "run.resume=auto"], run_dir)
+    resumed = run_train(
+        [*TINY, f"trainer.max_steps={status['final']['step'] + 1}", "schedule=constant", "run.resume=auto"], run_dir
+    )
     assert_ok(resumed)
 
 
@@ -62,6 +76,7 @@ def test_resume_auto_with_nothing_to_resume_starts_fresh(tmp_path):
 
 
 # --- checkpoints damaged on disk ----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -96,9 +111,14 @@ def remove_rng(tag_dir: Path) -> None:
     (tag_dir / "rng_rank00000.pt").unlink()
 
 
-@pytest.mark.parametrize("damage, message", [(zero_the_middle, "differs from what was saved (checksum)"),
-                                             (truncate, "were saved: it is truncated or overwritten"),
-                                             (remove_rng, "rng_rank00000.pt is missing")])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (zero_the_middle, "differs from what was saved (checksum)"),
+        (truncate, "were saved: it is truncated or overwritten"),
+        (remove_rng, "rng_rank00000.pt is missing"),
+    ],
+)
 def test_damaged_checkpoint_is_one_line(saved, tmp_path, damage, message):
     run_dir = damaged_copy(saved, tmp_path, damage)
     before = sorted(p.name for p in run_dir.iterdir())
@@ -134,21 +154,35 @@ def test_a_pickle_with_a_payload_never_runs(saved, tmp_path):
     run_dir = damaged_copy(saved, tmp_path, poison)
     resume = run_train([*TINY, "trainer.max_steps=6", "run.resume=auto"], run_dir)
     assert resume.returncode == 2 and "holds more than weights" in one_error_line(resume)
-    export = subprocess.run([PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
-                            capture_output=True, text=True)
+    export = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+    )
     assert export.returncode == 2 and "holds more than weights" in one_error_line(export)
     assert not marker.exists(), "the payload ran"
 
 
 # --- a NaN at a save step ------------------------------------------------------------------------
 
+
 def test_a_non_finite_loss_never_becomes_latest(tmp_path):
     """An absurd learning rate: the weights blow up after the first steps. Every step saves, and
     keep_last=1 would prune the good checkpoint for a bad one if a save were trusted at once."""
     run_dir = tmp_path / "run"
-    proc = run_train([*TINY, "trainer.max_steps=20", "trainer.save_every=1", "trainer.keep_last=1",
-                      "optimizer.lr=1e4", "schedule=constant", "schedule.warmup_steps=0", "trainer.grad_clip=0"],
-                     run_dir)
+    proc = run_train(
+        [
+            *TINY,
+            "trainer.max_steps=20",
+            "trainer.save_every=1",
+            "trainer.keep_last=1",
+            "optimizer.lr=1e4",
+            "schedule=constant",
+            "schedule.warmup_steps=0",
+            "trainer.grad_clip=0",
+        ],
+        run_dir,
+    )
     assert proc.returncode == 1 and "the loss became" in one_error_line(proc)
     bad_step = int(one_error_line(proc).split(" at step ")[1].split(":")[0])
     tags = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
@@ -162,6 +196,7 @@ def test_a_non_finite_loss_never_becomes_latest(tmp_path):
 
 
 # --- no hang -------------------------------------------------------------------------------------
+
 
 @pytest.mark.distributed
 def test_a_stopped_rank_ends_every_rank_with_its_name(tmp_path):
@@ -182,9 +217,14 @@ def test_a_stopped_rank_ends_every_rank_with_its_name(tmp_path):
 def test_the_preemption_signal_saves_on_every_rank_then_resumes(tmp_path):
     """submitit's time-limit warning (SIGUSR2) reaches every task, as Slurm's --signal does."""
     run_dir = tmp_path / "run"
-    step, _ = stop_with_signal(signal.SIGUSR2, ["trainer.max_steps=100000", "schedule=constant", "zero=stage2"], run_dir)
-    resumed = run_train([*TINY, f"trainer.max_steps={step + 1}", "schedule=constant", "zero=stage2",
-                         "run.resume=auto"], run_dir, ranks=2)
+    step, _ = stop_with_signal(
+        signal.SIGUSR2, ["trainer.max_steps=100000", "schedule=constant", "zero=stage2"], run_dir
+    )
+    resumed = run_train(
+        [*TINY, f"trainer.max_steps={step + 1}", "schedule=constant", "zero=stage2", "run.resume=auto"],
+        run_dir,
+        ranks=2,
+    )
     assert_ok(resumed)
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m][-1] == step + 1
 
@@ -213,14 +253,19 @@ def test_start_up_removes_only_the_shm_buffers_left_by_dead_runs(monkeypatch):
 
 # --- disks and directories -----------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MB tmpfs: a disk that fills up (mounting needs root, which CI has)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if mounted.returncode:  # mount's own words: not root, or root without CAP_SYS_ADMIN (a container)
-        pytest.skip(f"mounting a small tmpfs needs root with CAP_SYS_ADMIN: {(mounted.stderr.strip().splitlines() or [''])[0]}")
+        pytest.skip(
+            f"mounting a small tmpfs needs root with CAP_SYS_ADMIN: {(mounted.stderr.strip().splitlines() or [''])[0]}"
+        )
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 
@@ -251,9 +296,11 @@ def test_a_disk_error_one_rank_meets_alone_is_said_by_that_rank(monkeypatch, cap
     with pytest.raises(SystemExit) as exit_, one_line_config_errors():
         raise OSError(errno.ENOENT, "No such file or directory", "/runs/a/checkpoints/step_00000003/manifest.json.tmp")
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == ("lmrepo: error: rank 1: no such file or directory (/runs/a/checkpoints/"
-                                       "step_00000003/manifest.json.tmp): choose a writable run directory with room "
-                                       "(hydra.run.dir=...)\n")
+    assert capsys.readouterr().err == (
+        "lmrepo: error: rank 1: no such file or directory (/runs/a/checkpoints/"
+        "step_00000003/manifest.json.tmp): choose a writable run directory with room "
+        "(hydra.run.dir=...)\n"
+    )
 
 
 @pytest.mark.parametrize("where", ["cache", "run"])
@@ -278,8 +325,11 @@ def test_secrets_in_a_user_json_are_not_written(tmp_path):
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"comet": {"enabled": False, "api_key": "s3cr3t-key", "project": "p"}}))
     run_dir = tmp_path / "run"
-    proc = run_train([*TINY, "trainer.max_steps=2", f"deepspeed_config={user}", "logger=wandb"], run_dir,
-                     env={**os.environ, "WANDB_MODE": "offline"})
+    proc = run_train(
+        [*TINY, "trainer.max_steps=2", f"deepspeed_config={user}", "logger=wandb"],
+        run_dir,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
     assert_ok(proc)
     written = json.loads((run_dir / "ds_config.json").read_text())
     assert written["comet"]["api_key"] == "***"
@@ -294,11 +344,32 @@ def test_ranks_that_name_another_run_dir_use_rank_0s(tmp_path):
     port, dirs = str(free_port()), [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
     procs = []
     for rank, run_dir in enumerate(dirs):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port}
-        procs.append(subprocess.Popen([PYTHON, str(REPO / "train.py"), *TINY, "zero=stage2", "trainer.max_steps=2",
-                                       "trainer.save_every=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    PYTHON,
+                    str(REPO / "train.py"),
+                    *TINY,
+                    "zero=stage2",
+                    "trainer.max_steps=2",
+                    "trainer.save_every=2",
+                    f"hydra.run.dir={run_dir}",
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for proc in procs:
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]

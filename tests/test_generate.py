@@ -4,6 +4,7 @@ BERT fill-mask on 1 process against AutoTP over 2 ranks (torchrun), and the refu
 Three 2-rank launches: the BERT fill-mask, the GPT-2 refusal under DeepSpeed's launcher and ranks
 on two nodes (both stop before any process group).
 """
+
 import json
 import subprocess
 from pathlib import Path
@@ -42,7 +43,15 @@ def test_greedy_and_seeded_sampling_are_deterministic(gpt2_run, tmp_path):
     again = run(parse_args([f"run={gpt2_run}", "prompt=ROMEO:", "max_new_tokens=12"]))
     assert again["new_tokens"] == first["new_tokens"] and 0 < len(first["new_tokens"]) <= 12
 
-    sampling = [f"run={gpt2_run}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0.9", "top_k=40", "top_p=0.95", "seed=7"]
+    sampling = [
+        f"run={gpt2_run}",
+        "prompt=ROMEO:",
+        "max_new_tokens=12",
+        "temperature=0.9",
+        "top_k=40",
+        "top_p=0.95",
+        "seed=7",
+    ]
     assert run(parse_args(sampling))["new_tokens"] == run(parse_args(sampling))["new_tokens"]
 
 
@@ -67,22 +76,49 @@ def test_refusals(gpt2_run, tmp_path, capsys):
     assert proc.returncode == 2
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "lmrepo: error:" in line]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors[0].startswith("lmrepo: error: 2 ranks: GPT2LMHeadModel cannot be split by DeepSpeed-Inference on "
-                                "this cpu device") and "AutoTP not supported for model" in errors[0]
+    assert (
+        errors[0].startswith(
+            "lmrepo: error: 2 ranks: GPT2LMHeadModel cannot be split by DeepSpeed-Inference on this cpu device"
+        )
+        and "AutoTP not supported for model" in errors[0]
+    )
 
     # Ranks on two nodes (two torchrun agents on this machine): DeepSpeed-Inference's CPU all-reduce
     # needs every rank on one node; without the refusal each rank died of SIGSEGV (DeepSpeed 0.19.8).
     port = str(free_port())
-    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                               "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT, f"run={BERT_DIR}",
-                               "prompt=the [MASK] is dead."], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                TORCHRUN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                SCRIPT,
+                f"run={BERT_DIR}",
+                "prompt=the [MASK] is dead.",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode != 0 and "SIGSEGV" not in output, output[-3000:]
     errors = [line for output in outputs for line in output.splitlines() if line.startswith("lmrepo: error:")]
-    assert errors == ["lmrepo: error: 2 ranks over several nodes: DeepSpeed-Inference on CPU ranks runs on one node "
-                      "only (this one has 1 of them): launch every rank on one node"], outputs[0][-3000:]
+    assert errors == [
+        "lmrepo: error: 2 ranks over several nodes: DeepSpeed-Inference on CPU ranks runs on one node "
+        "only (this one has 1 of them): launch every rank on one node"
+    ], outputs[0][-3000:]
 
     cases = {
         (f"run={BERT_DIR}", "prompt=no mask here"): "prompt has no [MASK]",

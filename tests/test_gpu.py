@@ -1,14 +1,15 @@
 """The GPU-only paths, run where a GPU is (`pytest -m gpu`); skipped with the reason elsewhere.
 fp16 with dynamic loss scaling also runs on a CPU whose DeepSpeed accelerator computes fp16
 (AMX-FP16): that test asks the device, not the marker."""
+
 import json
 
 import pytest
 import torch
 
 from conftest import TINY, assert_ok, read_metrics, run_train
-from lmrepo.device import detect_device
 from lmrepo.compose import load_config
+from lmrepo.device import detect_device
 from lmrepo.estimate import count_parameters, meta_model, model_state_bytes
 
 CUDA = torch.cuda.is_available()
@@ -36,8 +37,14 @@ def test_nccl_zero_stages_agree_on_every_visible_gpu(tmp_path, stage):
     runs = {}
     for s in (0, stage):
         runs[s] = tmp_path / f"zero{s}"
-        assert_ok(run_train([*TINY, f"zero=stage{s}", "trainer.micro_batch_size=2"], runs[s], ranks=ranks if ranks > 1 else 0,
-                             via="deepspeed"))
+        assert_ok(
+            run_train(
+                [*TINY, f"zero=stage{s}", "trainer.micro_batch_size=2"],
+                runs[s],
+                ranks=ranks if ranks > 1 else 0,
+                via="deepspeed",
+            )
+        )
     reference = [m["loss"] for m in read_metrics(runs[0]) if "loss" in m]
     ours = [m["loss"] for m in read_metrics(runs[stage]) if "loss" in m]
     assert max(abs(a - b) / abs(b) for a, b in zip(ours, reference)) <= 1e-5  # fp32: only summation order differs

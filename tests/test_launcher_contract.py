@@ -10,11 +10,14 @@ LauncherTestSuite and BatchedSweeperTestSuite are not run: they call an in-memor
 inside the test process (Hydra's `a_module` with pytest as sys.argv[0]), which a launcher that
 starts a process per job cannot re-run; the README lists each test and why.
 """
+
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite
 from pytest import mark
 
 
-@mark.parametrize("task_launcher_cfg, extra_flags",
-                  [({}, ["-m", "hydra/launcher=lmrepo", "hydra/hydra_logging=disabled", "hydra/job_logging=disabled"])])
+@mark.parametrize(
+    "task_launcher_cfg, extra_flags",
+    [({}, ["-m", "hydra/launcher=lmrepo", "hydra/hydra_logging=disabled", "hydra/job_logging=disabled"])],
+)
 class TestLmrepoLauncherIntegration(IntegrationTestSuite):
     pass

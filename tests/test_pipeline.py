@@ -16,14 +16,26 @@ by the first stage's gradient norm alone (1.3e-5 at step 6; see
 lmrepo.engines.deepspeed_pipeline.count_every_stage_in_clip_norm); the exact one-step gradient and clip factor are
 checked separately (test_tied_embedding_gradients_and_clip_match_the_whole_model).
 """
+
 import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (CPU, GPU, REPO, TINY, assert_ok, compose_config, launcher, read_metrics, run_train,
-                      train_losses, validate)
+from conftest import (
+    CPU,
+    GPU,
+    REPO,
+    TINY,
+    assert_ok,
+    compose_config,
+    launcher,
+    read_metrics,
+    run_train,
+    train_losses,
+    validate,
+)
 from lmrepo.compose import load_config
 from lmrepo.errors import ConfigError
 from lmrepo.export import export
@@ -36,7 +48,6 @@ def assert_close(a: list[float], b: list[float], rel: float = FP32_TOL) -> None:
     assert len(a) == len(b) > 0
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     assert worst <= rel, f"losses differ by {worst:.2e} relative (> {rel}):\n{a}\n{b}"
-
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +87,22 @@ def test_data_x_pipeline_on_4_ranks(tmp_path, launch2):
 @pytest.mark.distributed
 def test_resumed_pipeline_continues_exactly(gpt2_pipeline, tmp_path):
     resumed = tmp_path / "resumed"
-    assert_ok(run_train([*TINY, *PIPELINE, f"run.resume={gpt2_pipeline / 'checkpoints/step_00000003'}"], resumed, ranks=2))
+    assert_ok(
+        run_train([*TINY, *PIPELINE, f"run.resume={gpt2_pipeline / 'checkpoints/step_00000003'}"], resumed, ranks=2)
+    )
     assert train_losses(resumed) == train_losses(gpt2_pipeline)[3:]
 
 
 @pytest.mark.distributed
 def test_pipeline_checkpoint_exports_the_same_model(gpt2_pipeline, launch2, tmp_path):
     """Step 3 of the pipelined run and of the data-parallel run: the same transformers weights."""
-    piped = load_file(export(str(gpt2_pipeline / "checkpoints/step_00000003"), tmp_path / "piped") / "model.safetensors")
-    plain = load_file(export(str(launch2("zero=stage0", "precision=fp32") / "checkpoints/step_00000003"),
-                             tmp_path / "plain") / "model.safetensors")
+    piped = load_file(
+        export(str(gpt2_pipeline / "checkpoints/step_00000003"), tmp_path / "piped") / "model.safetensors"
+    )
+    plain = load_file(
+        export(str(launch2("zero=stage0", "precision=fp32") / "checkpoints/step_00000003"), tmp_path / "plain")
+        / "model.safetensors"
+    )
     assert piped.keys() == plain.keys()
     for name in plain:
         torch.testing.assert_close(piped[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -96,9 +113,21 @@ def test_tied_embedding_gradients_and_clip_match_the_whole_model(tmp_path):
     """After DeepSpeed all-reduces the tied embedding's gradient, the first stage (input
     embedding) and the last (LM head) hold the same gradient: the whole model's, whose
     embedding matrix receives both uses."""
-    proc = subprocess.run([*launcher(2), str(REPO / "tests/pipeline_probe.py"), str(tmp_path),
-                           *TINY, "pipeline=1f1b", "precision=fp32", "trainer.grad_accum=2"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            *launcher(2),
+            str(REPO / "tests/pipeline_probe.py"),
+            str(tmp_path),
+            *TINY,
+            "pipeline=1f1b",
+            "precision=fp32",
+            "trainer.grad_accum=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert_ok(proc)
     first, last = (torch.load(tmp_path / f"tied_rank{r}.pt") for r in (0, 1))
     reference = torch.load(tmp_path / "reference.pt")
@@ -119,33 +148,40 @@ def test_zero2_pipeline_refused_before_launch(tmp_path):
 
 # --- invalid layouts: one line naming what to change, before any process group -----------
 
-@pytest.mark.parametrize("overrides, world, device, expected", [
-    (["pipeline=1f1b", "pipeline.stages=2"], 3, CPU, "does not divide the world size 3"),
-    (["pipeline=1f1b", "pipeline.stages=8"], 8, CPU, "for a model of 4 layers"),
-    (["pipeline=interleaved", "trainer.grad_accum=2"], 2, CPU, None),  # 2 x 2 chunks of 4 layers: valid
-    (["pipeline=interleaved", "pipeline.virtual_stages=4", "trainer.grad_accum=2"], 2, CPU, "8 pipeline stages"),
-    (["pipeline=1f1b", "zero=stage2"], 2, CPU, "supports ZeRO stage 0 or 1, not 2"),
-    (["pipeline=1f1b", "zero=stage3"], 2, CPU, "supports ZeRO stage 0 or 1, not 3"),
-    (["pipeline=gpipe", "zero=stage1"], 2, CPU, "supports ZeRO stage 0 only"),
-    (["pipeline=gpipe", "offload=cpu", "zero=stage0"], 2, CPU, "optimizer offload to cpu needs ZeRO stage >= 1"),
-    (["pipeline=gpipe", "precision=fp16"], 2, GPU, "runs fp32 or bf16"),
-    (["pipeline=1f1b_torch", "trainer.grad_accum=1"], 2, CPU, "at least as many micro-batches as stages"),
-    (["pipeline=interleaved", "trainer.grad_accum=1"], 2, CPU, "at least as many micro-batches as stages"),
-    (["pipeline=interleaved", "trainer.grad_accum=5"], 2, CPU, "multiple of the 2 rounds"),
-    (["pipeline=interleaved", "pipeline.virtual_stages=1", "trainer.grad_accum=2"], 2, CPU, "virtual_stages >= 2"),
-    (["pipeline=gpipe", "pipeline.virtual_stages=2"], 2, CPU, "needs pipeline=interleaved"),
-    (["pipeline=1f1b", "pipeline.partition=balanced"], 2, CPU, "pipeline.partition=balanced is not"),
-    (["pipeline=1f1b", "pipeline.partition=type:Attention"], 2, CPU, "matches 0 layers"),
-    (["pipeline=1f1b", "pipeline.partition=type:GPT2Block"], 2, CPU, None),
-    (["pipeline=1f1b", "trainer.compile=true"], 2, CPU, "trainer.compile=true is not supported"),
-    (["pipeline=1f1b", "model=bert-tiny", "pipeline.stages=4"], 4, CPU, "for a model of 2 layers"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, world, device, expected",
+    [
+        (["pipeline=1f1b", "pipeline.stages=2"], 3, CPU, "does not divide the world size 3"),
+        (["pipeline=1f1b", "pipeline.stages=8"], 8, CPU, "for a model of 4 layers"),
+        (["pipeline=interleaved", "trainer.grad_accum=2"], 2, CPU, None),  # 2 x 2 chunks of 4 layers: valid
+        (["pipeline=interleaved", "pipeline.virtual_stages=4", "trainer.grad_accum=2"], 2, CPU, "8 pipeline stages"),
+        (["pipeline=1f1b", "zero=stage2"], 2, CPU, "supports ZeRO stage 0 or 1, not 2"),
+        (["pipeline=1f1b", "zero=stage3"], 2, CPU, "supports ZeRO stage 0 or 1, not 3"),
+        (["pipeline=gpipe", "zero=stage1"], 2, CPU, "supports ZeRO stage 0 only"),
+        (["pipeline=gpipe", "offload=cpu", "zero=stage0"], 2, CPU, "optimizer offload to cpu needs ZeRO stage >= 1"),
+        (["pipeline=gpipe", "precision=fp16"], 2, GPU, "runs fp32 or bf16"),
+        (["pipeline=1f1b_torch", "trainer.grad_accum=1"], 2, CPU, "at least as many micro-batches as stages"),
+        (["pipeline=interleaved", "trainer.grad_accum=1"], 2, CPU, "at least as many micro-batches as stages"),
+        (["pipeline=interleaved", "trainer.grad_accum=5"], 2, CPU, "multiple of the 2 rounds"),
+        (["pipeline=interleaved", "pipeline.virtual_stages=1", "trainer.grad_accum=2"], 2, CPU, "virtual_stages >= 2"),
+        (["pipeline=gpipe", "pipeline.virtual_stages=2"], 2, CPU, "needs pipeline=interleaved"),
+        (["pipeline=1f1b", "pipeline.partition=balanced"], 2, CPU, "pipeline.partition=balanced is not"),
+        (["pipeline=1f1b", "pipeline.partition=type:Attention"], 2, CPU, "matches 0 layers"),
+        (["pipeline=1f1b", "pipeline.partition=type:GPT2Block"], 2, CPU, None),
+        (["pipeline=1f1b", "trainer.compile=true"], 2, CPU, "trainer.compile=true is not supported"),
+        (["pipeline=1f1b", "model=bert-tiny", "pipeline.stages=4"], 4, CPU, "for a model of 2 layers"),
+    ],
+)
 def test_pipeline_layout(overrides, world, device, expected):
     """In process: every layout's verdict before launch."""
     cfg = compose_config(overrides)
     if expected is None:
         ds, _ = validate(cfg, world, device)
-        assert ds["train_batch_size"] == cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * world // cfg.pipeline.stages
+        assert (
+            ds["train_batch_size"]
+            == cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * world // cfg.pipeline.stages
+        )
         return
     with pytest.raises(ConfigError, match=expected):
         validate(cfg, world, device)

@@ -11,13 +11,14 @@ norm summed per stage. That is ~1e-7 relative per step (measured here: bit-ident
 steps), far below the ~1e-2 a single optimizer step moves the loss, so a wrong gradient, a
 missing tied-weight reduction or a wrong LR would fail.
 """
+
 import pytest
 import torch
 
 from conftest import TINY, assert_ok, compose_config, read_metrics, run_train, train_losses
+from lmrepo.engines.torch_pipeline import partition, tied_owner
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
-from lmrepo.engines.torch_pipeline import partition, tied_owner
 
 FP32_TOL = 1e-5
 PIPE = ("trainer.grad_accum=2", "precision=fp32")  # 2 micro-batches: at least one per stage
@@ -51,6 +52,7 @@ def reference(tmp_path_factory):
 
 # --- in-process: the split ----------------------------------------------------------------
 
+
 def gpt2_layers(n_layer: int) -> list:
     cfg = compose_config([f"model.n_layer={n_layer}", "model.n_head=2", "model.n_embd=64", "data.block_size=32"])
     return pipe.pipeline_layers(build_model(cfg.model), "gpt2")
@@ -81,6 +83,7 @@ def test_tied_head_is_a_copy_of_the_embedding():
 
 # --- real launches ------------------------------------------------------------------------
 
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b_torch"])
 def test_schedule_matches_no_pipeline(launch2, reference, schedule):
@@ -108,10 +111,17 @@ def test_checkpoint_has_deepspeeds_pipeline_layout(launch2):
     tag_dir = launch2(*PIPE, "pipeline=gpipe") / "checkpoints" / "step_00000006"
     files = {f.name for f in tag_dir.iterdir()}
     # One file per layer that owns parameters (the tied head has none), as DeepSpeed names them.
-    assert {"layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
-            "layer_03-model_states.pt"} <= files and "layer_04-model_states.pt" not in files
-    assert {"mp_rank_00_model_states.pt", "torch_pipe_rank_00000_optim_states.pt",
-            "torch_pipe_rank_00001_optim_states.pt"} <= files
+    assert {
+        "layer_00-model_states.pt",
+        "layer_01-model_states.pt",
+        "layer_02-model_states.pt",
+        "layer_03-model_states.pt",
+    } <= files and "layer_04-model_states.pt" not in files
+    assert {
+        "mp_rank_00_model_states.pt",
+        "torch_pipe_rank_00000_optim_states.pt",
+        "torch_pipe_rank_00001_optim_states.pt",
+    } <= files
     states = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)
     assert states["module"] is None and states["step"] == 6 and states["dp_size"] == 1
     assert set(torch.load(tag_dir / "layer_00-model_states.pt")) == {"wte.weight", "wpe.weight"}
@@ -140,8 +150,13 @@ def test_tied_embedding_copies_get_equal_updates(launch2):
 def test_resume_continues_the_same_losses(launch2, tmp_path):
     original = launch2(*PIPE, "pipeline=1f1b_torch")
     resumed = tmp_path / "resumed"
-    assert_ok(run_train([*TINY, *PIPE, "pipeline=1f1b_torch", f"run.resume={original / 'checkpoints' / 'step_00000003'}"],
-                        resumed, ranks=2))
+    assert_ok(
+        run_train(
+            [*TINY, *PIPE, "pipeline=1f1b_torch", f"run.resume={original / 'checkpoints' / 'step_00000003'}"],
+            resumed,
+            ranks=2,
+        )
+    )
     after = {m["step"]: m["loss"] for m in read_metrics(resumed) if "loss" in m}
     before = {m["step"]: m["loss"] for m in read_metrics(original) if "loss" in m}
     assert sorted(after) == [4, 5, 6]

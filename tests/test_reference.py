@@ -1,5 +1,6 @@
 """`python train.py --help` and README.md's option reference come from the schema: every key,
 its type and docstring; the README's table is the generated one."""
+
 import subprocess
 
 from conftest import PYTHON, REPO
@@ -8,8 +9,9 @@ from lmrepo.config.reference import README, default_markdown, readme_block, rows
 
 
 def test_readme_option_reference_is_the_generated_one():
-    assert readme_block(README.read_text()) == default_markdown(), \
+    assert readme_block(README.read_text()) == default_markdown(), (
         "README.md's option reference is stale: run python -m lmrepo.config.reference --write"
+    )
 
 
 def test_every_key_has_a_docstring():
@@ -17,11 +19,18 @@ def test_every_key_has_a_docstring():
 
 
 def test_help_lists_every_key_with_the_chosen_values(tmp_path):
-    proc = subprocess.run([PYTHON, str(REPO / "train.py"), "model=llama-tiny", "--help"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "train.py"), "model=llama-tiny", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
-    for key, kind, doc, _ in rows(TrainConfig):
+    for key, _, doc, _ in rows(TrainConfig):
         assert f"  {key} " in proc.stdout and doc in proc.stdout, key
     assert "llama-tiny*" in proc.stdout and "model.n_kv_head" in proc.stdout
-    assert [line for line in proc.stdout.splitlines() if line.strip().startswith("model.tie_embeddings")][0].split(";")[1].strip() == "false"
+    assert [line for line in proc.stdout.splitlines() if line.strip().startswith("model.tie_embeddings")][0].split(";")[
+        1
+    ].strip() == "false"
     assert list(tmp_path.iterdir()) == [], "--help writes nothing"

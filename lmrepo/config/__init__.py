@@ -7,6 +7,7 @@ type-checks every YAML file and command-line override. `load()` turns the compos
 a TrainConfig object after every range and combination rule has passed: a wrong value is one
 ConfigError naming the key, before anything is written or any process group starts.
 """
+
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -16,19 +17,63 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lmrepo.config.data import DataConfig, Source, SourceConfig
 from lmrepo.config.evaluation import EvalConfig
+from lmrepo.config.messages import describe_omegaconf_error
 from lmrepo.config.model import Family, ModelConfig
 from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunConfig
-from lmrepo.config.parallel import (PIPELINE_FAMILIES, CheckpointingConfig, OffloadConfig, OffloadTarget,
-                                    PipelineConfig, Schedule, TPConfig, TPMode, ZeroConfig)
-from lmrepo.config.training import (Decay, Dtype, MetricsConfig, OptimizerConfig, PrecisionConfig, ScheduleConfig,
-                                    TrainerConfig)
-from lmrepo.config.messages import describe_omegaconf_error
+from lmrepo.config.parallel import (
+    PIPELINE_FAMILIES,
+    CheckpointingConfig,
+    OffloadConfig,
+    OffloadTarget,
+    PipelineConfig,
+    Schedule,
+    TPConfig,
+    TPMode,
+    ZeroConfig,
+)
+from lmrepo.config.training import (
+    Decay,
+    Dtype,
+    MetricsConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    TrainerConfig,
+)
 from lmrepo.errors import ConfigError, require
 
-__all__ = ["TrainConfig", "load", "register", "layout_check", "to_dict", "from_dict", "ModelConfig", "DataConfig", "SourceConfig",
-           "OptimizerConfig", "ScheduleConfig", "TrainerConfig", "PrecisionConfig", "MetricsConfig", "ZeroConfig",
-           "OffloadConfig", "PipelineConfig", "TPConfig", "CheckpointingConfig", "LoggerConfig", "RunConfig",
-           "LauncherConfig", "Family", "Source", "Decay", "Dtype", "OffloadTarget", "Schedule", "TPMode", "LoggerName"]
+__all__ = [
+    "TrainConfig",
+    "load",
+    "register",
+    "layout_check",
+    "to_dict",
+    "from_dict",
+    "ModelConfig",
+    "DataConfig",
+    "SourceConfig",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "TrainerConfig",
+    "PrecisionConfig",
+    "MetricsConfig",
+    "ZeroConfig",
+    "OffloadConfig",
+    "PipelineConfig",
+    "TPConfig",
+    "CheckpointingConfig",
+    "LoggerConfig",
+    "RunConfig",
+    "LauncherConfig",
+    "Family",
+    "Source",
+    "Decay",
+    "Dtype",
+    "OffloadTarget",
+    "Schedule",
+    "TPMode",
+    "LoggerName",
+]
 
 
 @dataclass
@@ -75,16 +120,30 @@ def load(cfg: DictConfig) -> TrainConfig:
         config: TrainConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(describe_omegaconf_error(err)) from None
-    for part in (config.model, config.data, config.optimizer, config.trainer, config.precision, config.zero,
-                 config.offload, config.pipeline, config.tp, config.metrics, config.launcher, config.run):
+    for part in (
+        config.model,
+        config.data,
+        config.optimizer,
+        config.trainer,
+        config.precision,
+        config.zero,
+        config.offload,
+        config.pipeline,
+        config.tp,
+        config.metrics,
+        config.launcher,
+        config.run,
+    ):
         part.check()
     config.schedule.check(config.trainer.max_steps)
     config.schedule.warmup_steps = config.schedule.resolved_warmup(config.trainer.max_steps)
     config.checkpointing.check(config.model.shape()["n_layer"])
     n_positions = config.model.shape()["n_positions"]
-    require(config.data.block_size <= n_positions,
-            f"data.block_size={config.data.block_size} is longer than the model's {n_positions} positions: "
-            "lower data.block_size or raise model.n_positions")
+    require(
+        config.data.block_size <= n_positions,
+        f"data.block_size={config.data.block_size} is longer than the model's {n_positions} positions: "
+        "lower data.block_size or raise model.n_positions",
+    )
     return config
 
 
@@ -92,19 +151,27 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
     """The rules of the rank layout; returns the data-parallel size. world = pipeline stages x
     tensor-parallel size x data-parallel degree."""
     pipe = config.pipeline
-    require(world_size % pipe.stages == 0, f"pipeline.stages={pipe.stages} does not divide the world size "
-                                           f"{world_size}: change pipeline.stages or the rank count")
+    require(
+        world_size % pipe.stages == 0,
+        f"pipeline.stages={pipe.stages} does not divide the world size "
+        f"{world_size}: change pipeline.stages or the rank count",
+    )
     if pipe.schedule != "none":
         _pipeline_check(config)
     dp_size = world_size // pipe.stages
     if config.tp.mode == TPMode.auto:
         tp = config.tp.size
-        require(pipe.schedule == "none", "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none")
+        require(
+            pipe.schedule == "none", "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none"
+        )
         shape = config.model.shape()
         for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
             require(count % tp == 0, f"tp.size={tp} does not divide the model's {count} {what}: change tp.size")
-        require(dp_size % tp == 0, f"tp.size={tp} does not divide the {dp_size} rank(s) (world = tp.size x "
-                                   "data-parallel ranks): change tp.size or the rank count")
+        require(
+            dp_size % tp == 0,
+            f"tp.size={tp} does not divide the {dp_size} rank(s) (world = tp.size x "
+            "data-parallel ranks): change tp.size or the rank count",
+        )
         dp_size //= tp
     return dp_size
 
@@ -113,31 +180,47 @@ def _pipeline_check(config: TrainConfig) -> None:
     import re
 
     pipe, model = config.pipeline, config.model
-    require(model.family in PIPELINE_FAMILIES, f"pipeline={pipe.schedule} splits {' and '.join(PIPELINE_FAMILIES)} "
-                                               f"models, not model.family={model.family}: choose pipeline=none")
+    require(
+        model.family in PIPELINE_FAMILIES,
+        f"pipeline={pipe.schedule} splits {' and '.join(PIPELINE_FAMILIES)} "
+        f"models, not model.family={model.family}: choose pipeline=none",
+    )
     chunks, layers = pipe.stages * pipe.virtual_stages, model.shape()["n_layer"]
-    require(chunks <= layers, f"pipeline.stages={pipe.stages} x pipeline.virtual_stages={pipe.virtual_stages} = {chunks} "
-                              f"pipeline stages for a model of {layers} layers: every stage needs a transformer layer; "
-                              "lower pipeline.stages")
+    require(
+        chunks <= layers,
+        f"pipeline.stages={pipe.stages} x pipeline.virtual_stages={pipe.virtual_stages} = {chunks} "
+        f"pipeline stages for a model of {layers} layers: every stage needs a transformer layer; "
+        "lower pipeline.stages",
+    )
     if pipe.partition.startswith("type:"):
         from lmrepo.models.pipe import layer_class_names
 
         regex = pipe.partition.removeprefix("type:")
         matched = sum(1 for name in layer_class_names(model.family, layers) if re.search(regex, name, re.IGNORECASE))
-        require(matched >= chunks, f"pipeline.partition={pipe.partition} matches {matched} layers, fewer than the {chunks} "
-                                   f"pipeline stages: use type:{'GPT2Block' if model.family == 'gpt2' else 'BertLayer'}")
+        require(
+            matched >= chunks,
+            f"pipeline.partition={pipe.partition} matches {matched} layers, fewer than the {chunks} "
+            f"pipeline stages: use type:{'GPT2Block' if model.family == 'gpt2' else 'BertLayer'}",
+        )
     micro_batches = config.trainer.grad_accum or 1
     if pipe.schedule in ("1f1b_torch", "interleaved"):
-        require(micro_batches >= pipe.stages,
-                f"pipeline={pipe.schedule} needs at least as many micro-batches as stages: trainer.grad_accum="
-                f"{micro_batches} < pipeline.stages={pipe.stages}; raise trainer.grad_accum")
+        require(
+            micro_batches >= pipe.stages,
+            f"pipeline={pipe.schedule} needs at least as many micro-batches as stages: trainer.grad_accum="
+            f"{micro_batches} < pipeline.stages={pipe.stages}; raise trainer.grad_accum",
+        )
     if pipe.schedule == "interleaved":
         rounds = max(1, micro_batches // pipe.stages)
-        require(micro_batches % rounds == 0, f"pipeline=interleaved needs trainer.grad_accum={micro_batches} to be a "
-                                             f"multiple of the {rounds} rounds of {pipe.stages} micro-batches: use a "
-                                             "multiple of pipeline.stages")
-    require(not config.trainer.compile, f"trainer.compile=true is not supported with pipeline={pipe.schedule}: "
-                                        "set trainer.compile=false")
+        require(
+            micro_batches % rounds == 0,
+            f"pipeline=interleaved needs trainer.grad_accum={micro_batches} to be a "
+            f"multiple of the {rounds} rounds of {pipe.stages} micro-batches: use a "
+            "multiple of pipeline.stages",
+        )
+    require(
+        not config.trainer.compile,
+        f"trainer.compile=true is not supported with pipeline={pipe.schedule}: set trainer.compile=false",
+    )
 
 
 def from_dict(cls, data: dict):
@@ -145,9 +228,13 @@ def from_dict(cls, data: dict):
     are dropped, keys it gained take their defaults, so older checkpoints still load."""
     known = {f.name for f in fields(cls)}
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), {k: v for k, v in data.items() if k in known}))
+        return OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(cls), {k: v for k, v in data.items() if k in known})
+        )
     except OmegaConfBaseException as err:
-        raise ConfigError(f"a saved {cls.__name__} does not fit this version's schema: {describe_omegaconf_error(err)}") from None
+        raise ConfigError(
+            f"a saved {cls.__name__} does not fit this version's schema: {describe_omegaconf_error(err)}"
+        ) from None
 
 
 def to_dict(node) -> dict:

@@ -1,4 +1,5 @@
 """`data`: which corpus is tokenized, and how it is cut into training samples."""
+
 import math
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
@@ -23,14 +24,19 @@ class Source(StrEnum):
 
 
 # The keys each kind of source reads besides `source` (a mixture entry may set only these).
-SOURCE_KEYS = {Source.shakespeare: (), Source.text: ("paths",), Source.json: ("paths", "text_field"),
-               Source.hf: ("name", "config", "split", "text_field")}
+SOURCE_KEYS = {
+    Source.shakespeare: (),
+    Source.text: ("paths",),
+    Source.json: ("paths", "text_field"),
+    Source.hf: ("name", "config", "split", "text_field"),
+}
 REQUIRED = {Source.text: "paths", Source.json: "paths", Source.hf: "name"}
 
 
 @dataclass
 class SourceConfig:
     """One entry of a mixture: a data option's own keys plus its weight."""
+
     source: Source = MISSING
     """shakespeare | text | json | hf"""
     weight: float = MISSING
@@ -93,17 +99,26 @@ class DataConfig:
             allowed = SOURCE_KEYS[entry.source]
             for f in fields(SourceConfig):
                 if f.name not in ("source", "weight", *allowed):
-                    require(getattr(entry, f.name) == f.default,
-                            f"{key}.{f.name} is not a key of a {entry.source} source "
-                            f"(it takes: {', '.join(['weight', *allowed])})")
-            require(math.isfinite(entry.weight) and entry.weight > 0, f"{key}.weight={entry.weight:g} must be a number > 0")
+                    require(
+                        getattr(entry, f.name) == f.default,
+                        f"{key}.{f.name} is not a key of a {entry.source} source "
+                        f"(it takes: {', '.join(['weight', *allowed])})",
+                    )
+            require(
+                math.isfinite(entry.weight) and entry.weight > 0, f"{key}.weight={entry.weight:g} must be a number > 0"
+            )
             if entry.source in REQUIRED:
-                require(getattr(entry, REQUIRED[entry.source]) is not None,
-                        f"{key}.{REQUIRED[entry.source]} must be set for a {entry.source} source")
+                require(
+                    getattr(entry, REQUIRED[entry.source]) is not None,
+                    f"{key}.{REQUIRED[entry.source]} must be set for a {entry.source} source",
+                )
             own = {name: getattr(entry, name) for name in allowed}
             out.append((replace(self, source=entry.source, sources=None, **own), entry.weight))
         total = sum(w for _, w in out)
         for k, (_, weight) in enumerate(out):
-            require(weight / total * MIXTURE_PERIOD >= 1, f"data.sources[{k}].weight={weight:g} is below 1/{MIXTURE_PERIOD} "
-                                                          "of the total weight: raise it or leave the source out")
+            require(
+                weight / total * MIXTURE_PERIOD >= 1,
+                f"data.sources[{k}].weight={weight:g} is below 1/{MIXTURE_PERIOD} "
+                "of the total weight: raise it or leave the source out",
+            )
         return out

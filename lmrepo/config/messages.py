@@ -1,4 +1,5 @@
 """Hydra's and OmegaConf's errors about a config, as one line that names the key to change."""
+
 import os
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
@@ -8,12 +9,22 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 from lmrepo.errors import disk_error, exit_error
 
 # Keys that moved to a component of their own (lmrepo 0.2): a user's old command is told where.
-MOVED = {old: f"{old} has moved: set {new}" for old, new in {
-    "trainer.lr": "optimizer.lr", "trainer.betas": "optimizer.betas", "trainer.eps": "optimizer.eps",
-    "trainer.weight_decay": "optimizer.weight_decay", "trainer.warmup_steps": "schedule.warmup_steps",
-    "trainer.min_lr_ratio": "schedule.min_lr_ratio", "trainer.lr_decay": "schedule=cosine|linear|constant"}.items()}
-MOVED["pipeline.engine"] = ("pipeline.engine is gone: the engine follows from pipeline.schedule (pipeline=1f1b is "
-                            "DeepSpeed's; gpipe, 1f1b_torch and interleaved are torch.distributed.pipelining)")
+MOVED = {
+    old: f"{old} has moved: set {new}"
+    for old, new in {
+        "trainer.lr": "optimizer.lr",
+        "trainer.betas": "optimizer.betas",
+        "trainer.eps": "optimizer.eps",
+        "trainer.weight_decay": "optimizer.weight_decay",
+        "trainer.warmup_steps": "schedule.warmup_steps",
+        "trainer.min_lr_ratio": "schedule.min_lr_ratio",
+        "trainer.lr_decay": "schedule=cosine|linear|constant",
+    }.items()
+}
+MOVED["pipeline.engine"] = (
+    "pipeline.engine is gone: the engine follows from pipeline.schedule (pipeline=1f1b is "
+    "DeepSpeed's; gpipe, 1f1b_torch and interleaved are torch.distributed.pipelining)"
+)
 
 
 def _first_line(text: str) -> str:
@@ -62,7 +73,9 @@ def describe_hydra_error(err: Exception) -> str | None:
     if isinstance(err, ConfigCompositionException):
         cause = err.__cause__
         message = _first_line(err)
-        override = message.removeprefix("Error merging override ").strip() if message.startswith("Error merging") else None
+        override = (
+            message.removeprefix("Error merging override ").strip() if message.startswith("Error merging") else None
+        )
         if isinstance(cause, OmegaConfBaseException):
             return describe_omegaconf_error(cause, override)
         # A YAML file's own value ("In 'pipeline/1f1b': ValidationError raised while composing

@@ -1,4 +1,5 @@
 """`model`: which transformers architecture is built, its shape, tokenizer and starting weights."""
+
 import json
 from dataclasses import dataclass
 from enum import StrEnum
@@ -56,15 +57,21 @@ class ModelConfig:
         if self.pretrained is None:
             return shape
         config_file = Path(self.pretrained) / "config.json"
-        require(config_file.is_file(), f"model.pretrained={self.pretrained} has no config.json: "
-                                       "point it at a Hugging Face model directory")
+        require(
+            config_file.is_file(),
+            f"model.pretrained={self.pretrained} has no config.json: point it at a Hugging Face model directory",
+        )
         try:
             hf = json.loads(config_file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"model.pretrained={self.pretrained}: config.json is not valid JSON ({err})") from None
-        names = {"n_layer": ("n_layer", "num_hidden_layers"), "n_head": ("n_head", "num_attention_heads"),
-                 "n_embd": ("n_embd", "hidden_size"), "n_positions": ("n_positions", "max_position_embeddings"),
-                 "vocab_size": ("vocab_size",)}
+        names = {
+            "n_layer": ("n_layer", "num_hidden_layers"),
+            "n_head": ("n_head", "num_attention_heads"),
+            "n_embd": ("n_embd", "hidden_size"),
+            "n_positions": ("n_positions", "max_position_embeddings"),
+            "vocab_size": ("vocab_size",),
+        }
         for key, candidates in names.items():
             shape[key] = next((hf[c] for c in candidates if c in hf), shape[key])
         shape["n_kv_head"] = hf.get("num_key_value_heads") or shape["n_head"]
@@ -79,14 +86,21 @@ class ModelConfig:
         require(0 <= self.dropout < 1, f"model.dropout={self.dropout} must be in [0, 1)")
         require(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0")
         shape = self.shape()
-        require(shape["n_embd"] % shape["n_head"] == 0,
-                f"model.n_head={shape['n_head']} does not divide model.n_embd={shape['n_embd']}: change one of them")
-        require(self.pretrained or self.n_kv_head is None or shape["n_head"] % self.n_kv_head == 0,
-                f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={shape['n_head']} "
-                "(each key/value head serves a group of query heads): change one of them")
+        require(
+            shape["n_embd"] % shape["n_head"] == 0,
+            f"model.n_head={shape['n_head']} does not divide model.n_embd={shape['n_embd']}: change one of them",
+        )
+        require(
+            self.pretrained or self.n_kv_head is None or shape["n_head"] % self.n_kv_head == 0,
+            f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={shape['n_head']} "
+            "(each key/value head serves a group of query heads): change one of them",
+        )
 
     def check_vocab(self, tokenizer_size: int) -> None:
         """The embedding table must cover every id the tokenizer produces."""
         vocab = self.shape()["vocab_size"]
-        require(vocab >= tokenizer_size, f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_size} "
-                                         f"tokens: set model.vocab_size={tokenizer_size} or change model.tokenizer")
+        require(
+            vocab >= tokenizer_size,
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_size} "
+            f"tokens: set model.vocab_size={tokenizer_size} or change model.tokenizer",
+        )

@@ -1,4 +1,5 @@
 """`logger`, `run`, `launcher`: where a job writes and how a sweep starts it."""
+
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import List, Optional
@@ -22,6 +23,7 @@ class LoggerMode(StrEnum):
 @dataclass
 class LoggerConfig:
     """metrics.jsonl is always written; this adds a logger beside it."""
+
     name: LoggerName = LoggerName.wandb
     """wandb | tensorboard | jsonl (metrics.jsonl only) | none"""
     project: str = "lmrepo"
@@ -43,9 +45,9 @@ class RunConfig:
     resume: Optional[str] = None
     """null | auto (continue from run.dir's latest checkpoint) | PATH of a run, its checkpoints/ or a checkpoint"""
     hang_timeout_s: int = 600
-    """seconds a collective waits for a stalled or dead peer before every rank stops (a rank stuck elsewhere: twice that); 0 = DeepSpeed's default, no watchdog"""
+    """seconds a collective waits for a stalled or dead peer before every rank stops; 0 = no watchdog"""
     cpu_keep_freed_memory: bool = True
-    """on a CPU, glibc keeps freed memory for the next step instead of returning it to the OS (the default job 1.5-1.7x faster, +27% peak memory: benchmarks/bench_malloc.py); false = glibc's own thresholds"""
+    """on a CPU, glibc keeps a step's freed memory for the next step (faster, more memory held); false = glibc's own"""
 
     def check(self) -> None:
         require(self.hang_timeout_s >= 0, f"run.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0 = off)")
@@ -70,4 +72,7 @@ class LauncherConfig:
     def check(self) -> None:
         require(self.ranks >= 1, f"launcher.ranks={self.ranks} must be >= 1")
         require(self.nodes >= 1, f"launcher.nodes={self.nodes} must be >= 1")
-        require(bool(self.objective.strip()), "launcher.objective must name a metric (a key of metrics.jsonl, e.g. eval_loss)")
+        require(
+            bool(self.objective.strip()),
+            "launcher.objective must name a metric (a key of metrics.jsonl, e.g. eval_loss)",
+        )

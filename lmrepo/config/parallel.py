@@ -1,4 +1,5 @@
 """`zero`, `offload`, `pipeline`, `tp`, `checkpointing`: how the model and its states are split and saved."""
+
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -10,6 +11,7 @@ from lmrepo.errors import ConfigError, require
 @dataclass
 class ZeroConfig:
     """DeepSpeed's `zero_optimization` keys, named as DeepSpeed names them; null = DeepSpeed's default."""
+
     stage: int = 0
     """0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters) partitioned"""
     allgather_partitions: Optional[bool] = None
@@ -38,15 +40,24 @@ class ZeroConfig:
     """stage 3: save_16bit_model writes whole weights"""
 
     # Counts of elements, typed float so that 5e8 is accepted as DeepSpeed's docs write it.
-    SIZES = ("allgather_bucket_size", "reduce_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
-             "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+    SIZES = (
+        "allgather_bucket_size",
+        "reduce_bucket_size",
+        "sub_group_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+    )
 
     def check(self) -> None:
         require(self.stage in (0, 1, 2, 3), f"zero.stage={self.stage} is not 0-3: choose zero=stage0..stage3")
         for key in self.SIZES:
             value = getattr(self, key)
-            require(value is None or (value >= 0 and value == int(value)),
-                    f"zero.{key}={value} must be a whole number of elements >= 0")
+            require(
+                value is None or (value >= 0 and value == int(value)),
+                f"zero.{key}={value} must be a whole number of elements >= 0",
+            )
 
 
 class OffloadTarget(StrEnum):
@@ -58,6 +69,7 @@ class OffloadTarget(StrEnum):
 @dataclass
 class AioConfig:
     """DeepSpeed's `aio` section (NVMe reads and writes through libaio)."""
+
     block_size: int = 1048576
     """bytes per I/O request"""
     queue_depth: int = 8
@@ -89,9 +101,13 @@ class OffloadConfig:
 
     def check(self) -> None:
         require(self.params in ("auto", True, False), f"offload.params={self.params} must be auto, true or false")
-        require(self.target != OffloadTarget.nvme or bool(self.nvme_path), "offload.nvme_path must be set for offload=nvme")
-        require(self.buffer_count >= 1 and self.buffer_size >= 1,
-                f"offload.buffer_count={self.buffer_count} and offload.buffer_size={self.buffer_size} must be >= 1")
+        require(
+            self.target != OffloadTarget.nvme or bool(self.nvme_path), "offload.nvme_path must be set for offload=nvme"
+        )
+        require(
+            self.buffer_count >= 1 and self.buffer_size >= 1,
+            f"offload.buffer_count={self.buffer_count} and offload.buffer_size={self.buffer_size} must be >= 1",
+        )
 
     def offloads_params(self, stage: int) -> bool:
         return self.target != OffloadTarget.none and (self.params is True or (self.params == "auto" and stage == 3))
@@ -121,16 +137,25 @@ class PipelineConfig:
 
     def check(self) -> None:
         require(self.stages >= 1, f"pipeline.stages={self.stages} must be >= 1")
-        require(self.schedule != "none" or self.stages == 1,
-                f"pipeline.stages={self.stages} needs a pipeline schedule: choose a pipeline= option or set pipeline.stages=1")
+        require(
+            self.schedule != "none" or self.stages == 1,
+            f"pipeline.stages={self.stages} needs a pipeline schedule: choose a pipeline= option or set "
+            "pipeline.stages=1",
+        )
         require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages} must be >= 1")
-        require(self.schedule == "interleaved" or self.virtual_stages == 1,
-                f"pipeline.virtual_stages={self.virtual_stages} needs pipeline=interleaved "
-                "(the other schedules hold one chunk per rank)")
-        require(self.schedule != "interleaved" or self.virtual_stages >= 2,
-                "pipeline=interleaved needs pipeline.virtual_stages >= 2 (model chunks per rank)")
-        require(self.partition in ("parameters", "uniform") or self.partition.startswith("type:"),
-                f"pipeline.partition={self.partition} is not parameters, uniform or type:<layer class regex>")
+        require(
+            self.schedule == "interleaved" or self.virtual_stages == 1,
+            f"pipeline.virtual_stages={self.virtual_stages} needs pipeline=interleaved "
+            "(the other schedules hold one chunk per rank)",
+        )
+        require(
+            self.schedule != "interleaved" or self.virtual_stages >= 2,
+            "pipeline=interleaved needs pipeline.virtual_stages >= 2 (model chunks per rank)",
+        )
+        require(
+            self.partition in ("parameters", "uniform") or self.partition.startswith("type:"),
+            f"pipeline.partition={self.partition} is not parameters, uniform or type:<layer class regex>",
+        )
         if self.partition.startswith("type:"):
             try:
                 re.compile(self.partition.removeprefix("type:"))
@@ -165,6 +190,7 @@ class CheckpointingImpl(StrEnum):
 @dataclass
 class CheckpointingConfig:
     """Activation checkpointing: blocks recompute their activations in backward."""
+
     enabled: bool = False
     """recompute activations in backward (~1/3 more compute, far less activation memory)"""
     every_n_layers: int = 1
@@ -185,15 +211,25 @@ class CheckpointingConfig:
     def check(self, n_layer: int) -> None:
         if not self.enabled:
             return
-        require(1 <= self.every_n_layers <= n_layer,
-                f"checkpointing.every_n_layers={self.every_n_layers} must be in [1, {n_layer}] (the model's layers)")
+        require(
+            1 <= self.every_n_layers <= n_layer,
+            f"checkpointing.every_n_layers={self.every_n_layers} must be in [1, {n_layer}] (the model's layers)",
+        )
         if self.impl == CheckpointingImpl.deepspeed:
-            self.check_zero_r(self.partition_activations, self.cpu_checkpointing, self.contiguous_memory_optimization,
-                              self.number_checkpoints, prefix="checkpointing.")
+            self.check_zero_r(
+                self.partition_activations,
+                self.cpu_checkpointing,
+                self.contiguous_memory_optimization,
+                self.number_checkpoints,
+                prefix="checkpointing.",
+            )
 
     @staticmethod
     def check_zero_r(partition: bool, cpu: bool, contiguous: bool, number, prefix: str) -> None:
         """DeepSpeed's own rules for the ZeRO-R options, for lmrepo's keys and a user JSON's alike."""
         require(not cpu or partition, f"{prefix}cpu_checkpointing needs {prefix}partition_activations=true")
-        require(not contiguous or (number and partition),
-                f"{prefix}contiguous_memory_optimization needs {prefix}partition_activations=true and {prefix}number_checkpoints")
+        require(
+            not contiguous or (number and partition),
+            f"{prefix}contiguous_memory_optimization needs {prefix}partition_activations=true "
+            f"and {prefix}number_checkpoints",
+        )

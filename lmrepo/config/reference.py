@@ -4,6 +4,7 @@ README.md's option reference are both generated here, so neither can drift from 
     python -m lmrepo.config.reference            # the option reference (markdown)
     python -m lmrepo.config.reference --write    # ... written into README.md between its markers
 """
+
 import ast
 import enum
 import inspect
@@ -15,8 +16,20 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-TECHNIQUE_GROUPS = ("model", "data", "optimizer", "schedule", "precision", "zero", "offload", "pipeline", "tp",
-                    "checkpointing", "logger", "experiment")
+TECHNIQUE_GROUPS = (
+    "model",
+    "data",
+    "optimizer",
+    "schedule",
+    "precision",
+    "zero",
+    "offload",
+    "pipeline",
+    "tp",
+    "checkpointing",
+    "logger",
+    "experiment",
+)
 
 
 @cache
@@ -72,7 +85,9 @@ def value_of(config: DictConfig, key: str) -> str:
         raw = OmegaConf.to_container(raw, resolve=False, enum_to_str=True)
     if isinstance(raw, enum.Enum):
         raw = raw.value
-    return "null" if raw is None else "???" if raw == "???" else str(raw).replace("True", "true").replace("False", "false")
+    return (
+        "null" if raw is None else "???" if raw == "???" else str(raw).replace("True", "true").replace("False", "false")
+    )
 
 
 def group_options() -> dict[str, list[str]]:
@@ -81,8 +96,13 @@ def group_options() -> dict[str, list[str]]:
 
 def default_choices() -> dict[str, str]:
     defaults = OmegaConf.load(CONF_DIR / "train.yaml").defaults
-    return {k: str(v) for entry in defaults if isinstance(entry, DictConfig) for k, v in entry.items()
-            if not k.startswith("override")}
+    return {
+        k: str(v)
+        for entry in defaults
+        if isinstance(entry, DictConfig)
+        for k, v in entry.items()
+        if not k.startswith("override")
+    }
 
 
 def help_text(config: DictConfig) -> str:
@@ -92,11 +112,15 @@ def help_text(config: DictConfig) -> str:
     choices = dict(default_choices())
     if "hydra" in config and OmegaConf.select(config, "hydra.runtime.choices") is not None:
         choices.update({k: str(v) for k, v in config.hydra.runtime.choices.items() if k in TECHNIQUE_GROUPS})
-    lines = ["lmrepo: train GPT-2, BERT and Llama with DeepSpeed, every technique chosen by name.", "",
-             "  python train.py [group=option ...] [key=value ...]      one job (CPU or one GPU)",
-             "  deepspeed --num_gpus N train.py ...                       N ranks",
-             "  python train.py -m zero=stage0,stage3 ...                 a sweep: one job per combination", "",
-             "== Groups: group=option (* = chosen) =="]
+    lines = [
+        "lmrepo: train GPT-2, BERT and Llama with DeepSpeed, every technique chosen by name.",
+        "",
+        "  python train.py [group=option ...] [key=value ...]      one job (CPU or one GPU)",
+        "  deepspeed --num_gpus N train.py ...                       N ranks",
+        "  python train.py -m zero=stage0,stage3 ...                 a sweep: one job per combination",
+        "",
+        "== Groups: group=option (* = chosen) ==",
+    ]
     for group, options in group_options().items():
         chosen = choices.get(group)
         lines.append(f"  {group:<14}" + ", ".join(o + ("*" if o == chosen else "") for o in options))
@@ -149,7 +173,10 @@ if __name__ == "__main__":
     table = default_markdown()
     if "--write" in sys.argv:
         text = README.read_text()
-        README.write_text(text.replace(readme_block(text), table) if readme_block(text) else
-                          text.replace(MARKERS[0], MARKERS[0] + table + "\n"))
+        README.write_text(
+            text.replace(readme_block(text), table)
+            if readme_block(text)
+            else text.replace(MARKERS[0], MARKERS[0] + table + "\n")
+        )
     else:
         print(table)

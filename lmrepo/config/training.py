@@ -1,9 +1,9 @@
 """`optimizer`, `schedule`, `trainer`, `precision`, `metrics`: how the model is stepped."""
+
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import List, Optional
-
 
 from lmrepo.errors import require
 
@@ -28,8 +28,10 @@ class OptimizerConfig:
 
     def check(self) -> None:
         require(math.isfinite(self.lr) and self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
-        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-                f"optimizer.betas={list(self.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]")
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optimizer.betas={list(self.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]",
+        )
         require(self.eps > 0, f"optimizer.eps={self.eps} must be > 0")
         require(self.weight_decay >= 0, f"optimizer.weight_decay={self.weight_decay} must be >= 0")
 
@@ -61,9 +63,11 @@ class ScheduleConfig:
         return min(WARMUP_CAP, int(WARMUP_FRACTION * max_steps))
 
     def check(self, max_steps: int) -> None:
-        require(self.warmup_steps is None or 0 <= self.warmup_steps < max_steps,
-                f"schedule.warmup_steps={self.warmup_steps} must be in [0, trainer.max_steps={max_steps}): "
-                "lower it, or leave it out (null: 10% of the run)")
+        require(
+            self.warmup_steps is None or 0 <= self.warmup_steps < max_steps,
+            f"schedule.warmup_steps={self.warmup_steps} must be in [0, trainer.max_steps={max_steps}): "
+            "lower it, or leave it out (null: 10% of the run)",
+        )
         require(0 <= self.min_lr_ratio <= 1, f"schedule.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
 
 
@@ -107,10 +111,14 @@ class TrainerConfig:
         for key in ("micro_batch_size", "grad_accum", "global_batch_size"):
             value = getattr(self, key)
             require(value is None or value >= 1, f"trainer.{key}={value} must be >= 1 (or null to derive it)")
-        require(self.micro_batch_size is not None or self.global_batch_size is not None,
-                "trainer.micro_batch_size or trainer.global_batch_size must be set")
-        require(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
-                f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        require(
+            self.micro_batch_size is not None or self.global_batch_size is not None,
+            "trainer.micro_batch_size or trainer.global_batch_size must be set",
+        )
+        require(
+            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+            f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)",
+        )
         require(0 <= self.seed < 2**32, f"trainer.seed={self.seed} must be in [0, 2**32)")
         for key in ("log_every", "eval_batches"):
             require(getattr(self, key) >= 1, f"trainer.{key}={getattr(self, key)} must be >= 1")
@@ -142,7 +150,10 @@ class PrecisionConfig:
 
     def check(self) -> None:
         require(self.loss_scale >= 0, f"precision.loss_scale={self.loss_scale} must be >= 0 (0 = dynamic)")
-        require(0 <= self.initial_scale_power <= 64, f"precision.initial_scale_power={self.initial_scale_power} must be in [0, 64]")
+        require(
+            0 <= self.initial_scale_power <= 64,
+            f"precision.initial_scale_power={self.initial_scale_power} must be in [0, 64]",
+        )
         for key in ("loss_scale_window", "hysteresis"):
             require(getattr(self, key) >= 1, f"precision.{key}={getattr(self, key)} must be >= 1")
         require(self.min_loss_scale > 0, f"precision.min_loss_scale={self.min_loss_scale} must be > 0")

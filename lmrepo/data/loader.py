@@ -1,4 +1,5 @@
 """Model inputs from blocks: causal-LM pairs for GPT-2, dynamically masked MLM batches for BERT."""
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +49,16 @@ class LMData:
     """What the loop asks for: the micro batches of a step, and the evaluation batches.
     `sources` is one prepared token directory, or a mixture's [(directory, weight), ...]."""
 
-    def __init__(self, sources: Path | list[tuple[Path, float]], block_size: int, family: str, tokenizer, layout: Layout,
-                 seed: int, eval_batches: int):
+    def __init__(
+        self,
+        sources: Path | list[tuple[Path, float]],
+        block_size: int,
+        family: str,
+        tokenizer,
+        layout: Layout,
+        seed: int,
+        eval_batches: int,
+    ):
         sources = [(Path(sources), 1.0)] if isinstance(sources, (str, Path)) else [(Path(d), w) for d, w in sources]
         # BERT's block holds the [CLS] and [SEP] it adds: block_size is the model's sequence length.
         content = block_size - 2 if family == "bert" else block_size
@@ -61,28 +70,41 @@ class LMData:
         if len(sources) > 1:
             for k, (blocks, held_out) in enumerate(zip(train, val)):
                 if len(blocks) == 0 or len(held_out) == 0:
-                    raise ConfigError(f"data.sources[{k}] ({sources[k][0].name}) has {len(blocks)} training and "
-                                      f"{len(held_out)} held-out blocks of {block_size} tokens; every source needs at least one: "
-                                      "use a larger corpus for it or lower data.block_size")
+                    raise ConfigError(
+                        f"data.sources[{k}] ({sources[k][0].name}) has {len(blocks)} training and "
+                        f"{len(held_out)} held-out blocks of {block_size} tokens; every source needs at least one: "
+                        "use a larger corpus for it or lower data.block_size"
+                    )
             self.train_blocks, self.val_blocks = MixtureBlocks(train), MixtureBlocks(val)
         else:
             self.train_blocks, self.val_blocks = train[0], val[0]
         if len(self.train_blocks) < layout.global_batch:
-            raise ConfigError(f"the training split has {len(self.train_blocks)} blocks of {block_size} tokens, fewer than "
-                              f"one global batch of {layout.global_batch}: use a larger corpus or lower data.block_size / the batch size")
+            raise ConfigError(
+                f"the training split has {len(self.train_blocks)} blocks of {block_size} tokens, fewer than "
+                f"one global batch of {layout.global_batch}: use a larger corpus or lower data.block_size / the "
+                "batch size"
+            )
         if len(self.val_blocks) < layout.micro_batch * layout.dp_size:
-            raise ConfigError(f"the held-out split has {len(self.val_blocks)} blocks, fewer than one micro batch per rank: "
-                              "raise data.val_fraction or use a larger corpus")
+            raise ConfigError(
+                f"the held-out split has {len(self.val_blocks)} blocks, fewer than one micro batch per rank: "
+                "raise data.val_fraction or use a larger corpus"
+            )
         order = (layout.global_batch, layout.micro_batch, layout.dp_rank, layout.dp_size, seed)
-        self.order = (MixtureOrder(len(self.train_blocks), *order, sizes=tuple(len(b) for b in train), weights=weights)
-                      if len(sources) > 1 else SampleOrder(len(self.train_blocks), *order))
-        self.eval_order = eval_indices([len(b) for b in val], weights, layout.micro_batch, layout.dp_rank,
-                                       layout.dp_size, eval_batches)
+        self.order = (
+            MixtureOrder(len(self.train_blocks), *order, sizes=tuple(len(b) for b in train), weights=weights)
+            if len(sources) > 1
+            else SampleOrder(len(self.train_blocks), *order)
+        )
+        self.eval_order = eval_indices(
+            [len(b) for b in val], weights, layout.micro_batch, layout.dp_rank, layout.dp_size, eval_batches
+        )
 
     def train_step(self, consumed: int) -> list[dict]:
         """The micro batches of the optimizer step that starts after `consumed` samples."""
-        return [self.inputs(self.train_blocks.get(idx), self._sample_seeds(consumed, idx))
-                for idx in self.order.micro_batches(consumed)]
+        return [
+            self.inputs(self.train_blocks.get(idx), self._sample_seeds(consumed, idx))
+            for idx in self.order.micro_batches(consumed)
+        ]
 
     def eval_batches(self) -> list[dict]:
         return [self.inputs(self.val_blocks.get(idx), self._sample_seeds(-1, idx)) for idx in self.eval_order]

@@ -9,6 +9,7 @@ A mixture (`data=mixture`) is a list of sources, each prepared and cached on its
 that data option would be (so a source shared by a plain run and a mixture is tokenized once);
 training draws from them by weight (batches.MixtureOrder).
 """
+
 import hashlib
 import itertools
 import json
@@ -29,7 +30,9 @@ FORMAT_VERSION = 1
 def separator_id(tokenizer) -> int:
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     if sep is None:
-        raise ConfigError(f"tokenizer {tokenizer.name_or_path} has neither an EOS nor a SEP token: choose another model.tokenizer")
+        raise ConfigError(
+            f"tokenizer {tokenizer.name_or_path} has neither an EOS nor a SEP token: choose another model.tokenizer"
+        )
     return sep
 
 
@@ -57,8 +60,13 @@ def fingerprint(data, tokenizer) -> str:
     """Covers exactly what decides the tokens, so the same source reached through another
     option (a plain run, a mixture) maps to the same files."""
     files = [(f, file_digest(f)) for f in source_files(data)]
-    spec = {"format": FORMAT_VERSION, "source": data.source, "files": files, "val_fraction": data.val_fraction,
-            "tokenizer": tokenizer_identity(tokenizer)}
+    spec = {
+        "format": FORMAT_VERSION,
+        "source": data.source,
+        "files": files,
+        "val_fraction": data.val_fraction,
+        "tokenizer": tokenizer_identity(tokenizer),
+    }
     if data.source in ("json", "hf"):
         spec["text_field"] = data.text_field
     if data.source == "hf":
@@ -85,10 +93,11 @@ def prepare(data, tokenizer) -> Path:
     except Exception as err:
         if (reason := disk_error(err)) is None:
             raise
-        raise ConfigError(f"data.cache_dir={data.cache_dir}: {reason}: point data.cache_dir at a writable "
-                          "directory with room for the token files") from None
+        raise ConfigError(
+            f"data.cache_dir={data.cache_dir}: {reason}: point data.cache_dir at a writable "
+            "directory with room for the token files"
+        ) from None
     return out
-
 
 
 # Text per tokenizer call: enough that the call's fixed cost vanishes, little enough that a
@@ -130,20 +139,37 @@ def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
         backend = Tokenizer.from_str(backend.to_str())
         backend.no_padding()
         backend.no_truncation()
-    tokens = docs.map(encode, batched=True, batch_size=batch_rows(docs), fn_kwargs={"backend": backend, "sep": sep},
-                      remove_columns=docs.column_names, features=encoded_features(), writer_batch_size=1,
-                      num_proc=min(data.num_proc, len(docs)) if len(docs) > 1 else None,
-                      cache_file_name=str(work / "tokens.arrow"), new_fingerprint=name, desc="tokenizing")
+    tokens = docs.map(
+        encode,
+        batched=True,
+        batch_size=batch_rows(docs),
+        fn_kwargs={"backend": backend, "sep": sep},
+        remove_columns=docs.column_names,
+        features=encoded_features(),
+        writer_batch_size=1,
+        num_proc=min(data.num_proc, len(docs)) if len(docs) > 1 else None,
+        cache_file_name=str(work / "tokens.arrow"),
+        new_fingerprint=name,
+        desc="tokenizing",
+    )
     total = pc.sum(pc.list_value_length(tokens.data.column("ids"))).as_py() or 0
     if total == 0:
         raise ConfigError(f"data={data.source}: the corpus has no text: check data.paths")
     n_val = max(1, int(total * data.val_fraction))
     tokenizer_name = tokenizer.name_or_path or type(tokenizer).__name__
     write_stream(tokens, directory, dtype, total - n_val, n_val, tokenizer_name)
-    return {"format": FORMAT_VERSION, "tokenizer": tokenizer_name, "tokenizer_id": tokenizer_identity(tokenizer),
-            "vocab_size": len(tokenizer), "dtype": np.dtype(dtype).name, "separator_id": sep,
-            "documents": pc.sum(tokens.data.column("documents")).as_py(), "train_tokens": total - n_val,
-            "val_tokens": n_val, "source": data.source}
+    return {
+        "format": FORMAT_VERSION,
+        "tokenizer": tokenizer_name,
+        "tokenizer_id": tokenizer_identity(tokenizer),
+        "vocab_size": len(tokenizer),
+        "dtype": np.dtype(dtype).name,
+        "separator_id": sep,
+        "documents": pc.sum(tokens.data.column("documents")).as_py(),
+        "train_tokens": total - n_val,
+        "val_tokens": n_val,
+        "source": data.source,
+    }
 
 
 def encoded_features():
@@ -169,8 +195,10 @@ def encode(batch: dict, backend: Tokenizer, sep: int) -> dict:
             pieces.append([sep])
             documents += 1
     count = sum(map(len, pieces))
-    return {"ids": [np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.uint32, count=count)],
-            "documents": [documents]}
+    return {
+        "ids": [np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.uint32, count=count)],
+        "documents": [documents],
+    }
 
 
 def batch_rows(docs) -> int:
@@ -194,15 +222,18 @@ def write_stream(tokens, directory: Path, dtype, n_train: int, n_val: int, token
     for table in tokens.with_format("arrow").iter(batch_size=1):
         ids = pc.list_flatten(table.column("ids")).to_numpy()
         if len(ids) and ids.max() > limit:
-            raise ConfigError(f"tokenizer {tokenizer_name} produced token id {ids.max()}, which does not fit the "
-                              f"{np.dtype(dtype).name} token file: its vocabulary is larger than it reports; use another model.tokenizer")
+            raise ConfigError(
+                f"tokenizer {tokenizer_name} produced token id {ids.max()}, which does not fit the "
+                f"{np.dtype(dtype).name} token file: its vocabulary is larger than it reports; use another "
+                "model.tokenizer"
+            )
         chunk = ids.astype(dtype)
         end = offset + len(chunk)
         if offset < n_train:
-            train[offset:min(end, n_train)] = chunk[:n_train - offset]
+            train[offset : min(end, n_train)] = chunk[: n_train - offset]
         if end > n_train:
             start = max(offset, n_train)
-            val[start - n_train:end - n_train] = chunk[start - offset:]
+            val[start - n_train : end - n_train] = chunk[start - offset :]
         offset = end
     train.flush()
     val.flush()

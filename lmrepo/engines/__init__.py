@@ -1,5 +1,6 @@
 """Training engines behind one interface (base.Engine): the loop, checkpointing and evaluation
 never ask which one runs."""
+
 from lmrepo.config import TrainConfig
 from lmrepo.engines.base import Engine
 
@@ -13,9 +14,16 @@ def build_engine(config: TrainConfig, ds_config: dict) -> Engine:
         from lmrepo.ds_config import batch_of, scheduler_section
         from lmrepo.engines import torch_pipeline
 
-        return torch_pipeline.build(config.model, config.checkpointing, pipeline, config.optimizer,
-                                    scheduler_section(config.schedule, config.optimizer.lr, config.trainer.max_steps),
-                                    config.trainer.grad_clip, batch_of(ds_config)[2], config.precision.dtype == "bf16")
+        return torch_pipeline.build(
+            config.model,
+            config.checkpointing,
+            pipeline,
+            config.optimizer,
+            scheduler_section(config.schedule, config.optimizer.lr, config.trainer.max_steps),
+            config.trainer.grad_clip,
+            batch_of(ds_config)[2],
+            config.precision.dtype == "bf16",
+        )
     if pipeline.engine == "deepspeed":
         from lmrepo.engines import deepspeed_pipeline
 

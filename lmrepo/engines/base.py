@@ -2,6 +2,7 @@
 (engines/deepspeed.py), DeepSpeed's pipeline engine (engines/deepspeed_pipeline.py) and the
 torch.distributed.pipelining engine (engines/torch_pipeline.py) each implement it; another
 engine (FSDP2, ...) is one more module that does."""
+
 from pathlib import Path
 from typing import Protocol
 
@@ -10,8 +11,8 @@ import torch
 
 class Engine(Protocol):
     device: torch.device
-    dp_rank: int   # this rank's place among the ranks that read different samples
-    dp_size: int   # how many such ranks (pipeline stages and tensor-parallel ranks of one replica read the same)
+    dp_rank: int  # this rank's place among the ranks that read different samples
+    dp_size: int  # how many such ranks (pipeline stages and tensor-parallel ranks of one replica read the same)
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """Forward and backward over one optimizer step's micro batches, then the step; the mean

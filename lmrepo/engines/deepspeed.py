@@ -1,4 +1,5 @@
 """DeepSpeed's engine around a plain transformers model: ZeRO 0-3, offload, precision, AutoTP."""
+
 from pathlib import Path
 
 import deepspeed
@@ -27,8 +28,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def initialize(model: torch.nn.Module, ds_config: dict, mpu=None):
     """deepspeed.initialize with lmrepo's parameter groups; the weight decay is the final dict's."""
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                      config=ds_config, mpu=mpu)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, weight_decay), config=ds_config, mpu=mpu
+    )
     return engine
 
 
@@ -43,10 +45,13 @@ def enable_activation_checkpointing(model, checkpointing: CheckpointingConfig, d
         # whole world, which a pipeline's data-parallel batch does not satisfy.
         section = ds_config.get("activation_checkpointing", {})
         deepspeed.checkpointing.configure(
-            None, partition_activations=section.get("partition_activations"),
+            None,
+            partition_activations=section.get("partition_activations"),
             contiguous_checkpointing=section.get("contiguous_memory_optimization"),
-            num_checkpoints=section.get("number_checkpoints"), checkpoint_in_cpu=section.get("cpu_checkpointing"),
-            synchronize=section.get("synchronize_checkpoint_boundary"))
+            num_checkpoints=section.get("number_checkpoints"),
+            checkpoint_in_cpu=section.get("cpu_checkpointing"),
+            synchronize=section.get("synchronize_checkpoint_boundary"),
+        )
         for module in model.modules():
             if hasattr(module, "_gradient_checkpointing_func"):
                 module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
@@ -71,7 +76,10 @@ class DeepSpeedEngine:
     def __init__(self, ds_engine):
         self.ds, self.device = ds_engine, ds_engine.device
         if ds_engine.autotp_size() > 1:  # one tensor-parallel group reads the same samples
-            self.dp_rank, self.dp_size = ds_engine.mpu.get_data_parallel_rank(), ds_engine.mpu.get_data_parallel_world_size()
+            self.dp_rank, self.dp_size = (
+                ds_engine.mpu.get_data_parallel_rank(),
+                ds_engine.mpu.get_data_parallel_world_size(),
+            )
         else:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
 
@@ -114,8 +122,9 @@ class DeepSpeedEngine:
         return client_state or {}
 
 
-def build(model_cfg: ModelConfig, checkpointing: CheckpointingConfig, ds_config: dict,
-          compile: bool = False) -> DeepSpeedEngine:
+def build(
+    model_cfg: ModelConfig, checkpointing: CheckpointingConfig, ds_config: dict, compile: bool = False
+) -> DeepSpeedEngine:
     zero3 = None
     if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
         # While this object lives, transformers builds (and loads) the model under

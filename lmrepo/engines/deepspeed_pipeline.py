@@ -1,5 +1,6 @@
 """DeepSpeed's PipelineModule and PipelineEngine (`pipeline=1f1b`): GPT-2 / BERT split into
 pipeline layers (lmrepo.models.pipe), 1F1B over trainer.grad_accum micro-batches per step."""
+
 import torch
 from deepspeed.pipe import PipelineModule
 
@@ -27,7 +28,10 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
 
     def __init__(self, ds_engine):
         self.ds, self.device = ds_engine, ds_engine.device
-        self.dp_rank, self.dp_size = ds_engine.grid.get_data_parallel_rank(), ds_engine.grid.get_data_parallel_world_size()
+        self.dp_rank, self.dp_size = (
+            ds_engine.grid.get_data_parallel_rank(),
+            ds_engine.grid.get_data_parallel_world_size(),
+        )
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         return self.ds.train_batch(pipeline_inputs(batches)).detach().float()
@@ -40,14 +44,18 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         return mean
 
 
-def build(model_cfg: ModelConfig, checkpointing: CheckpointingConfig, pipeline: PipelineConfig,
-          ds_config: dict) -> DeepSpeedPipelineEngine:
+def build(
+    model_cfg: ModelConfig, checkpointing: CheckpointingConfig, pipeline: PipelineConfig, ds_config: dict
+) -> DeepSpeedPipelineEngine:
     """The whole transformers model is built on every rank first (the same seeded weights as a
     non-pipelined run); each rank then keeps only its stage's layers."""
     net = build_model(model_cfg)
     enable_activation_checkpointing(net, checkpointing, ds_config)  # the blocks checkpoint themselves
-    module = PipelineModule(layers=pipe.pipeline_layers(net, model_cfg.family), num_stages=pipeline.stages,
-                            loss_fn=pipe.LMLoss(model_cfg.family, net.config.vocab_size),
-                            partition_method=pipeline.partition)  # type:GPT2Block also matches GPT2BlockPipe
+    module = PipelineModule(
+        layers=pipe.pipeline_layers(net, model_cfg.family),
+        num_stages=pipeline.stages,
+        loss_fn=pipe.LMLoss(model_cfg.family, net.config.vocab_size),
+        partition_method=pipeline.partition,
+    )  # type:GPT2Block also matches GPT2BlockPipe
     count_every_stage_in_clip_norm(module)
     return DeepSpeedPipelineEngine(initialize(module, ds_config))

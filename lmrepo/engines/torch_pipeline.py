@@ -19,6 +19,7 @@ wherever they exist, so both paths train the same model the same way:
   in mp_rank_00_model_states.pt) plus torch_pipe_rank_<rank, 5 digits>_optim_states.pt per rank.
 ZeRO, offload and fp16 are not supported (preflight.check_deepspeed refuses them up front).
 """
+
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,8 +35,13 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelinePa
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleLoopedBFS)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from lmrepo import safe_load
 from lmrepo.config import CheckpointingConfig, ModelConfig, OptimizerConfig, PipelineConfig
@@ -49,6 +55,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b_torch": Schedule1F1B, "interleaved": 
 
 
 # --- the split -----------------------------------------------------------------------------
+
 
 def partition(layers: list, parts: int, method: str) -> list[int]:
     """Chunk boundaries (parts + 1 layer indices), computed as PipelineModule._partition_layers
@@ -102,8 +109,10 @@ def build_layer(spec) -> nn.Module:
 
 def print_split(layers: list, parts: list[int], stages: int, schedule: str, micro_batches: int) -> None:
     """What DeepSpeed prints for its pipeline, plus the pipeline rank of each chunk."""
-    print(f"torch.distributed.pipelining {SCHEDULES[schedule].__name__}: {len(parts) - 1} stages on {stages} "
-          f"pipeline ranks, {micro_batches} micro-batches per step")
+    print(
+        f"torch.distributed.pipelining {SCHEDULES[schedule].__name__}: {len(parts) - 1} stages on {stages} "
+        f"pipeline ranks, {micro_batches} micro-batches per step"
+    )
     for chunk in range(len(parts) - 1):
         start, stop = parts[chunk], parts[chunk + 1]
         print(f"stage={chunk} rank={chunk % stages} layers={stop - start}")
@@ -112,6 +121,7 @@ def print_split(layers: list, parts: list[int], stages: int, schedule: str, micr
 
 
 # --- the engine ----------------------------------------------------------------------------
+
 
 def non_reentrant_checkpointing(model: nn.Module) -> None:
     """torch's stages take input gradients with torch.autograd.grad, which DeepSpeed's checkpoint
@@ -131,8 +141,17 @@ class TorchPipelineEngine:
     """lmrepo's Engine over a torch.distributed.pipelining schedule, with DeepSpeed's grid,
     partitioning and checkpoint layout."""
 
-    def __init__(self, layers: list, loss, pipeline: PipelineConfig, optimizer: OptimizerConfig, scheduler: dict,
-                 grad_clip: float, micro_batches: int, bf16: bool):
+    def __init__(
+        self,
+        layers: list,
+        loss,
+        pipeline: PipelineConfig,
+        optimizer: OptimizerConfig,
+        scheduler: dict,
+        grad_clip: float,
+        micro_batches: int,
+        bf16: bool,
+    ):
         self.device = torch.device(get_accelerator().current_device_name())
         self.stages, virtual = pipeline.stages, pipeline.virtual_stages
         world = dist.get_world_size()
@@ -149,15 +168,20 @@ class TorchPipelineEngine:
         # This rank's chunks: c = stage_id, stage_id + stages, ... (torch's round-robin placement).
         self.chunk_ids = list(range(self.stage_id, self.stages * virtual, self.stages))
         self.chunks = nn.ModuleList(
-            Chunk({i: build_layer(layers[i]) for i in range(self.parts[c], self.parts[c + 1])}) for c in self.chunk_ids)
+            Chunk({i: build_layer(layers[i]) for i in range(self.parts[c], self.parts[c + 1])}) for c in self.chunk_ids
+        )
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
         non_reentrant_checkpointing(self.chunks)
         self.schedule = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
         self.eval_schedules = {}  # micro-batch count -> a forward-only schedule over stages of its own
 
         self.tied = self._tied_groups()
-        self.optimizer = TORCH_OPTIMIZERS[optimizer.name](param_groups(self.chunks, optimizer.weight_decay),
-                                                          lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps)
+        self.optimizer = TORCH_OPTIMIZERS[optimizer.name](
+            param_groups(self.chunks, optimizer.weight_decay),
+            lr=optimizer.lr,
+            betas=tuple(optimizer.betas),
+            eps=optimizer.eps,
+        )
         # DeepSpeed's own scheduler class, from the section lmrepo builds for DeepSpeed's engines.
         self.lr_scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
         self.gradient_clipping, self.bf16 = grad_clip, bf16
@@ -166,8 +190,10 @@ class TorchPipelineEngine:
     # --- pieces of __init__
 
     def _schedule(self, schedule_class, micro_batches: int):
-        stages = [PipelineStage(chunk, c, len(self.parts) - 1, self.device, group=self.grid.pp_proc_group)
-                  for c, chunk in zip(self.chunk_ids, self.chunks)]
+        stages = [
+            PipelineStage(chunk, c, len(self.parts) - 1, self.device, group=self.grid.pp_proc_group)
+            for c, chunk in zip(self.chunk_ids, self.chunks)
+        ]
         if schedule_class in (ScheduleGPipe, Schedule1F1B):
             return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=self.loss)
         return schedule_class(stages, n_microbatches=micro_batches, loss_fn=self.loss)
@@ -189,8 +215,10 @@ class TorchPipelineEngine:
                     index = next(i for i in indices if i in self.layers)
                     module = self.layers[index].module if is_tied_copy(self.layer_specs[index]) else self.layers[index]
                     owner = self._chunk_of(indices[0]) % self.stages == self.stage_id
-                    tied += [(group, PipelineModule._recursive_getattr(module, attr), owner)
-                             for attr in self.layer_specs[index].tied_weight_attr]
+                    tied += [
+                        (group, PipelineModule._recursive_getattr(module, attr), owner)
+                        for attr in self.layer_specs[index].tied_weight_attr
+                    ]
         return tied
 
     def _chunk_of(self, index: int) -> int:
@@ -282,8 +310,11 @@ class TorchPipelineEngine:
         """The global norm over the whole model (every stage), each tied matrix counted once; the
         coefficient of torch's and DeepSpeed's clip_grad_norm_."""
         copies = {id(param) for _, param, owner in self.tied if not owner}
-        squares = [p.grad.detach().float().pow(2).sum() for p in self.chunks.parameters()
-                   if p.grad is not None and id(p) not in copies]
+        squares = [
+            p.grad.detach().float().pow(2).sum()
+            for p in self.chunks.parameters()
+            if p.grad is not None and id(p) not in copies
+        ]
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
         dist.all_reduce(total, group=self.grid.pp_proc_group)
         coefficient = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
@@ -301,31 +332,50 @@ class TorchPipelineEngine:
         directory.mkdir(parents=True, exist_ok=True)
         rank = dist.get_rank()
         if rank == 0:
-            torch.save({"module": None, "global_steps": self.global_steps, "dp_world_size": self.dp,
-                        "mp_world_size": self.stages, "torch_pipeline_parts": self.parts, **client_state},
-                       directory / "mp_rank_00_model_states.pt")
+            torch.save(
+                {
+                    "module": None,
+                    "global_steps": self.global_steps,
+                    "dp_world_size": self.dp,
+                    "mp_world_size": self.stages,
+                    "torch_pipeline_parts": self.parts,
+                    **client_state,
+                },
+                directory / "mp_rank_00_model_states.pt",
+            )
         if self.grid.get_data_parallel_rank() == 0:  # the replicas hold the same weights
             for index, layer in self._saved_layers():
                 torch.save(layer.state_dict(), directory / f"layer_{index:02d}-model_states.pt")
-        torch.save({"stage": self.stage_id, "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.lr_scheduler.state_dict()},
-                   directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt")
+        torch.save(
+            {
+                "stage": self.stage_id,
+                "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+            },
+            directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt",
+        )
         dist.barrier()
 
     def load(self, load_dir: Path, tag: str) -> dict:
         directory = Path(load_dir, str(tag))
         states = safe_load.load(directory / "mp_rank_00_model_states.pt")
         if states.get("mp_world_size") != self.stages or states.get("torch_pipeline_parts") != self.parts:
-            raise ConfigError(f"{directory} was saved by another pipeline split ({states.get('mp_world_size')} stages, "
-                              f"layer boundaries {states.get('torch_pipeline_parts')}; this run: {self.stages} stages, "
-                              f"{self.parts}): resume with the same pipeline.stages, virtual_stages and partition")
+            raise ConfigError(
+                f"{directory} was saved by another pipeline split ({states.get('mp_world_size')} stages, "
+                f"layer boundaries {states.get('torch_pipeline_parts')}; this run: {self.stages} stages, "
+                f"{self.parts}): resume with the same pipeline.stages, virtual_stages and partition"
+            )
         for index, layer in self.layers.items():
             owner = tied_owner(self.layer_specs, index)
             target = layer.module if is_tied_copy(self.layer_specs[index]) else layer
-            target.load_state_dict(safe_load.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device))
+            target.load_state_dict(
+                safe_load.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device)
+            )
         # The replicas' optimizer states are equal: replica 0's file of this stage serves any data-parallel size.
         saved_rank = self.stage_id * states["dp_world_size"]
-        optim = safe_load.load(directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device)
+        optim = safe_load.load(
+            directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device
+        )
         self.optimizer.load_state_dict(optim["optimizer"])
         self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
         self.global_steps = states["global_steps"]
@@ -333,9 +383,16 @@ class TorchPipelineEngine:
         return {k: v for k, v in states.items() if k not in engine_keys}
 
 
-def build(model_cfg: ModelConfig, checkpointing: CheckpointingConfig, pipeline: PipelineConfig,
-          optimizer: OptimizerConfig, scheduler: dict, grad_clip: float, micro_batches: int,
-          bf16: bool) -> TorchPipelineEngine:
+def build(
+    model_cfg: ModelConfig,
+    checkpointing: CheckpointingConfig,
+    pipeline: PipelineConfig,
+    optimizer: OptimizerConfig,
+    scheduler: dict,
+    grad_clip: float,
+    micro_batches: int,
+    bf16: bool,
+) -> TorchPipelineEngine:
     """The same layer list DeepSpeed's pipeline splits, from the same seeded transformers model."""
     net = build_model(model_cfg)
     enable_activation_checkpointing(net, checkpointing, {})  # the blocks checkpoint themselves

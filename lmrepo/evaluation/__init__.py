@@ -6,6 +6,7 @@ Results take three forms: the harness's own result JSON (RUN/eval/<tag>.json), o
 per task ({"step": S, "eval/<task>/<metric>": value, ...}) and, for a W&B run, its summary.
 lm_eval is imported only here, so a run without eval.tasks never pays its ~2 s import.
 """
+
 import functools
 import json
 import logging
@@ -51,8 +52,14 @@ def run_tasks(lm, tasks, limit: int | None, bootstrap_iters: int) -> dict | None
     lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)
     loaded = tasks.load()
     with preserved_rng():
-        return lm_eval.simple_evaluate(model=lm, tasks=list(loaded["tasks"].values()), task_manager=tasks.manager,
-                                       limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(loaded["tasks"].values()),
+            task_manager=tasks.manager,
+            limit=limit,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=False,
+        )
 
 
 def metrics_of(results: dict) -> dict[str, float]:
@@ -62,7 +69,12 @@ def metrics_of(results: dict) -> dict[str, float]:
     for task, values in results["results"].items():
         for key, value in values.items():
             metric, _, filter_name = key.partition(",")
-            if filter_name and "_stderr" not in metric and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (
+                filter_name
+                and "_stderr" not in metric
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+            ):
                 name = metric if filter_name == "none" else f"{metric}/{filter_name}"
                 flat[f"eval/{task}/{name}"] = float(value)
     return flat
@@ -129,4 +141,3 @@ class Downstream:
             return []
         write_results(results, self.run_dir / "eval" / f"{tag_for(step)}.json")
         return [*records(results, step), {"step": step, "downstream_s": time.perf_counter() - start}]
-

@@ -6,11 +6,11 @@ arguments, a directory that holds no model, BERT, a tensor-parallel checkpoint, 
 a hub task whose data cannot be reached. Under the deepspeed launcher every rank holds the whole
 model and scores its share of the documents; rank 0 writes the results.
 """
+
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
 
 import torch
 from omegaconf import MISSING, OmegaConf
@@ -24,11 +24,11 @@ from lmrepo.errors import ConfigError, exit_error
 class Options:
     run: str = MISSING
     """a run directory, its checkpoints/ or checkpoints/<tag>, or a Hugging Face model directory"""
-    tasks: List[str] = MISSING
+    tasks: list[str] = MISSING
     """comma-separated: lmrepo's local tasks, task YAML paths, or the harness's names (hub data)"""
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
     """a tag under RUN/checkpoints (step_00000300); null = the run's latest"""
-    limit: Optional[int] = None
+    limit: int | None = None
     """documents per task (the first N); null = all"""
     batch_size: int = 8
     """requests per forward pass"""
@@ -49,7 +49,9 @@ def parse_args(argv: list[str]) -> Options:
 
         raise ConfigError(describe_omegaconf_error(err)) from None
     except ValueError as err:  # from_dotlist: an argument without "="
-        raise ConfigError(f"{err}: arguments are key=value (run=RUN tasks=a,b limit=N batch_size=N checkpoint=TAG)") from None
+        raise ConfigError(
+            f"{err}: arguments are key=value (run=RUN tasks=a,b limit=N batch_size=N checkpoint=TAG)"
+        ) from None
     if options.limit is not None and options.limit < 1:
         raise ConfigError(f"limit={options.limit} must be >= 1 (or leave it out: every document)")
     if options.batch_size < 1 or options.bootstrap_iters < 0:
@@ -63,7 +65,7 @@ def parse_args(argv: list[str]) -> Options:
 class Source:
     model: torch.nn.Module
     tokenizer: object
-    results: Path              # where the harness's JSON goes
+    results: Path  # where the harness's JSON goes
     run_dir: Path | None = None  # a run's directory: metrics.jsonl and W&B get the results too
     step: int | None = None
 
@@ -74,7 +76,9 @@ def locate(options: Options) -> Path:
     path = Path(options.run)
     if (path / "config.json").is_file():
         if options.checkpoint:
-            raise ConfigError(f"checkpoint={options.checkpoint}: run={path} is a Hugging Face model directory, not a run")
+            raise ConfigError(
+                f"checkpoint={options.checkpoint}: run={path} is a Hugging Face model directory, not a run"
+            )
         return path
     if not path.exists():
         raise ConfigError(f"run={options.run} does not exist")
@@ -82,21 +86,26 @@ def locate(options: Options) -> Path:
         tag_dir = path / "checkpoints" / options.checkpoint
         if not checkpoint.model_states_file(tag_dir):
             tags = sorted(p.name for p in (path / "checkpoints").glob("step_*") if checkpoint.model_states_file(p))
-            raise ConfigError(f"checkpoint={options.checkpoint}: no such checkpoint in {path / 'checkpoints'} "
-                              f"(it has: {', '.join(tags) or 'none'})")
+            raise ConfigError(
+                f"checkpoint={options.checkpoint}: no such checkpoint in {path / 'checkpoints'} "
+                f"(it has: {', '.join(tags) or 'none'})"
+            )
         return tag_dir
     try:
         directory, tag = checkpoint.find(str(path), path / "checkpoints")
     except ConfigError:  # find's message is about run.resume: say it for this command
-        raise ConfigError(f"run={options.run} is neither a Hugging Face model directory (no config.json) nor a run with "
-                          "a checkpoint: train with trainer.save_every=N, or point run= at a model directory") from None
+        raise ConfigError(
+            f"run={options.run} is neither a Hugging Face model directory (no config.json) nor a run with "
+            "a checkpoint: train with trainer.save_every=N, or point run= at a model directory"
+        ) from None
     return directory / tag
 
 
 def causal_only(masked: bool, what: Path) -> None:
     if masked:
-        raise ConfigError(f"run={what} is a masked language model (BERT): lm-eval scores causal language models "
-                          "(GPT-2, Llama) only")
+        raise ConfigError(
+            f"run={what} is a masked language model (BERT): lm-eval scores causal language models (GPT-2, Llama) only"
+        )
 
 
 def load_source(located: Path) -> Source:
@@ -113,8 +122,13 @@ def load_source(located: Path) -> Source:
     whole = consolidate(str(located))
     causal_only(whole.config.family == "bert", located)
     run_dir = whole.tag_dir.parent.parent
-    return Source(whole.model, load_tokenizer(whole.config.tokenizer, whole.config.pretrained),
-                  run_dir / "eval" / f"{whole.tag_dir.name}.json", run_dir, whole.step)
+    return Source(
+        whole.model,
+        load_tokenizer(whole.config.tokenizer, whole.config.pretrained),
+        run_dir / "eval" / f"{whole.tag_dir.name}.json",
+        run_dir,
+        whole.step,
+    )
 
 
 def evaluate(options: Options) -> tuple[dict | None, Source, float]:
@@ -165,9 +179,15 @@ def update_wandb_summary(run_dir: Path, metrics: dict) -> None:
     from lmrepo.loggers.wandb_sink import resolve_mode, run_id
 
     logger = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["logger"]
-    run = wandb.init(project=logger.get("project"), entity=logger.get("entity"), id=run_id(run_dir), resume="allow",
-                     dir=str(run_dir), mode=resolve_mode(logger.get("mode", "auto")),
-                     settings=wandb.Settings(init_timeout=60, console="off", silent=True))
+    run = wandb.init(
+        project=logger.get("project"),
+        entity=logger.get("entity"),
+        id=run_id(run_dir),
+        resume="allow",
+        dir=str(run_dir),
+        mode=resolve_mode(logger.get("mode", "auto")),
+        settings=wandb.Settings(init_timeout=60, console="off", silent=True),
+    )
     run.summary.update(metrics)
     run.finish()
 
@@ -185,8 +205,10 @@ def main(argv: list[str]) -> None:
 
         print(table(results), end="")
         written = publish(results, source, options)
-        print(f"lmrepo: evaluated in {seconds:.1f} s on {launch.world_size()} rank(s); wrote {', '.join(written)}",
-              flush=True)
+        print(
+            f"lmrepo: evaluated in {seconds:.1f} s on {launch.world_size()} rank(s); wrote {', '.join(written)}",
+            flush=True,
+        )
     if launch.world_size() > 1:
         import torch.distributed as dist
 

@@ -9,14 +9,21 @@ needs; here the ranks are the engine's data-parallel ones, and every rank runs a
 as the busiest (ZeRO-3 gathers each layer's weights from every rank in every forward, so a rank
 that stopped early would leave the others waiting).
 """
+
 import inspect
 
 import torch
 import torch.distributed as dist
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import (Collator, handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
-                                  postprocess_generated_text, resolve_max_length)
+from lm_eval.models.utils import (
+    Collator,
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+    resolve_max_length,
+)
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from tqdm import tqdm
 
@@ -32,12 +39,13 @@ def _longest_first(request) -> tuple:
 def _score(logprobs: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
     """(sum of the continuation's log-probabilities, whether greedy decoding yields it)."""
     target = torch.tensor(continuation, device=logprobs.device)
-    picked = logprobs[-len(continuation):]
+    picked = logprobs[-len(continuation) :]
     return float(picked.gather(1, target[:, None]).sum()), bool((picked.argmax(-1) == target).all())
 
 
 class LmrepoLM(TemplateLM):
     """`model` must be a transformers causal LM (forward returns .logits, has .generate)."""
+
     backend = "causal"
 
     def __init__(self, model, tokenizer, batch_size: int, device: torch.device, group=None, show_progress=False):
@@ -82,8 +90,10 @@ class LmrepoLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         params = list(self.model.parameters())
-        return {"model_num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-                "model_dtype": str(params[0].dtype)}
+        return {
+            "model_num_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "model_dtype": str(params[0].dtype),
+        }
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # the harness's own bar (tokenizing) only where this wrapper shows its bars: not in training
@@ -92,17 +102,20 @@ class LmrepoLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         # Requests sharing context + continuation[:-1] (multiple choice with one-token answers)
         # share one forward, as HFLM's logits cache does.
-        collator = Collator(requests, sort_fn=_longest_first, group_by="contexts", group_fn=lambda r: r[-2] + r[-1][:-1])
+        collator = Collator(
+            requests, sort_fn=_longest_first, group_by="contexts", group_fn=lambda r: r[-2] + r[-1][:-1]
+        )
         scores = []
         for batch in self._bar(self._in_lockstep(list(collator.get_batched(n=self.batch_size))), "loglikelihood"):
             if batch is None:
                 self._logprobs([[self.eot_token_id]], [1])
                 continue
             # too long: truncated from the left, keeping the continuation (HFLM's rule)
-            inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in batch]
+            inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in batch]
             for (key, ctx, cont), logprobs in zip(batch, self._logprobs(inputs, [len(cont) for _, _, cont in batch])):
-                for _, each, same in collator.get_cache(req_str=key, cxt_toks=ctx, cont_toks=cont,
-                                                        logits=logprobs[None]):
+                for _, each, same in collator.get_cache(
+                    req_str=key, cxt_toks=ctx, cont_toks=cont, logits=logprobs[None]
+                ):
                     scores.append(_score(same[0], each))
         return collator.get_original(scores)
 
@@ -111,9 +124,15 @@ class LmrepoLM(TemplateLM):
         windows of all documents batched together."""
         windows, owners = [], []
         for index, (text,) in enumerate(request.args for request in requests):
-            for context, continuation in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for context, continuation in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, context, continuation))
                 owners.append(index)
         totals = [0.0] * len(requests)
@@ -122,8 +141,12 @@ class LmrepoLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        collator = Collator([request.args for request in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
-                            group_by="gen_kwargs", group_fn=lambda r: r[1])
+        collator = Collator(
+            [request.args for request in requests],
+            sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda r: r[1],
+        )
         eos = self.tokenizer.decode(self.eot_token_id)
         texts = []
         for batch in self._bar(self._in_lockstep(list(collator.get_batched(n=self.batch_size))), "generate_until"):
@@ -137,10 +160,11 @@ class LmrepoLM(TemplateLM):
             for greedy in ("do_sample", "temperature"):  # greedy always (TaskSet refuses sampling tasks)
                 options.pop(greedy, None)
             # left-truncated to leave room for the new tokens (HFLM's rule)
-            encoded = [self.tok_encode(c)[-(self.max_length - new_tokens):] for c in contexts]
+            encoded = [self.tok_encode(c)[-(self.max_length - new_tokens) :] for c in contexts]
             for generated in self._generate(encoded, new_tokens, stop, **options):
-                texts.append(postprocess_generated_text(self.tokenizer.decode(generated, skip_special_tokens=True),
-                                                        stop, None))
+                texts.append(
+                    postprocess_generated_text(self.tokenizer.decode(generated, skip_special_tokens=True), stop, None)
+                )
         return collator.get_original(texts)
 
     # --- distribution: the harness's hooks, over the data-parallel ranks ----------------------
@@ -181,8 +205,8 @@ class LmrepoLM(TemplateLM):
         batch = torch.full((len(inputs), max(map(len, inputs))), self.eot_token_id, dtype=torch.long)
         keep = torch.zeros(batch.shape, dtype=torch.bool)
         for row, (tokens, count) in enumerate(zip(inputs, counts)):
-            batch[row, :len(tokens)] = torch.tensor(tokens)
-            keep[row, len(tokens) - count:len(tokens)] = True
+            batch[row, : len(tokens)] = torch.tensor(tokens)
+            keep[row, len(tokens) - count : len(tokens)] = True
         batch, keep = batch.to(self._device), keep.to(self._device)
         if self.keeps_logits:
             logits = self.model(batch, logits_to_keep=keep).logits  # (kept positions, vocab), row by row
@@ -200,12 +224,19 @@ class LmrepoLM(TemplateLM):
         ids = torch.full((len(inputs), width), self.eot_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, tokens in enumerate(inputs):
-            ids[row, width - len(tokens):] = torch.tensor(tokens)
-            mask[row, width - len(tokens):] = 1
+            ids[row, width - len(tokens) :] = torch.tensor(tokens)
+            mask[row, width - len(tokens) :] = 1
         out = self.model.generate(
-            input_ids=ids.to(self._device), attention_mask=mask.to(self._device), max_length=width + max_new_tokens,
-            stopping_criteria=stop_sequences_criteria(self.tokenizer, stop, width, len(inputs)), do_sample=False,
-            pad_token_id=self.eot_token_id, use_cache=True, synced_gpus=self.synced, **options)
+            input_ids=ids.to(self._device),
+            attention_mask=mask.to(self._device),
+            max_length=width + max_new_tokens,
+            stopping_criteria=stop_sequences_criteria(self.tokenizer, stop, width, len(inputs)),
+            do_sample=False,
+            pad_token_id=self.eot_token_id,
+            use_cache=True,
+            synced_gpus=self.synced,
+            **options,
+        )
         if self.progress is not None:
             self.progress()
         return out[:, width:].tolist()

@@ -6,6 +6,7 @@ scripts/build_eval_tasks.py from the held-out Shakespeare split). The harness re
 temporary directory with absolute paths. Other names are the harness's registry (their data
 comes from the Hugging Face hub) and task YAML paths of your own.
 """
+
 import os
 import socket
 import tempfile
@@ -81,13 +82,19 @@ class TaskSet:
         try:
             loaded = self.manager.load(self.names)
         except KeyError as err:
-            raise ConfigError(f"tasks: {err.args[0] if err.args else err}: lmrepo's local tasks are "
-                              f"{', '.join(sorted(self.local))}; the harness's are listed by `lm-eval ls tasks`") from None
-        except Exception as err:  # datasets' many kinds: ConnectionError (offline), FileNotFoundError, DatasetNotFoundError
+            raise ConfigError(
+                f"tasks: {err.args[0] if err.args else err}: lmrepo's local tasks are "
+                f"{', '.join(sorted(self.local))}; the harness's are listed by `lm-eval ls tasks`"
+            ) from None
+        except (
+            Exception
+        ) as err:  # datasets' many kinds: ConnectionError (offline), FileNotFoundError, DatasetNotFoundError
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"tasks={','.join(self.names)}: a task's data cannot be loaded ({type(err).__name__}: {first}): "
-                              "hub tasks need the network the first time (then the Hugging Face cache serves them); "
-                              f"offline, use a local task: {', '.join(sorted(self.local))}") from None
+            raise ConfigError(
+                f"tasks={','.join(self.names)}: a task's data cannot be loaded ({type(err).__name__}: {first}): "
+                "hub tasks need the network the first time (then the Hugging Face cache serves them); "
+                f"offline, use a local task: {', '.join(sorted(self.local))}"
+            ) from None
         for name, task in loaded["tasks"].items():
             settings = task.config.generation_kwargs or {}
             if task.config.output_type == "generate_until" and settings.get("do_sample"):

@@ -1,4 +1,5 @@
 """Where metrics go: metrics.jsonl always (the run-directory contract), plus the chosen logger."""
+
 import json
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """Weights & Biases: online when a key and the server are there, offline files otherwise, never a hang."""
+
 import netrc
 import os
 import secrets
@@ -44,8 +45,13 @@ def resolve_mode(requested: str) -> str:
 
 def technique_tags(config: dict) -> list[str]:
     """One tag per technique choice, so W&B can filter and group by them."""
-    tags = [config["model"]["name"], f"zero{config['zero']['stage']}", config["precision"]["dtype"],
-            f"offload-{config['offload']['target']}", f"pipeline-{config['pipeline']['schedule']}"]
+    tags = [
+        config["model"]["name"],
+        f"zero{config['zero']['stage']}",
+        config["precision"]["dtype"],
+        f"offload-{config['offload']['target']}",
+        f"pipeline-{config['pipeline']['schedule']}",
+    ]
     if config["checkpointing"]["enabled"]:
         tags.append(f"act-ckpt-every{config['checkpointing']['every_n_layers']}")
     return tags
@@ -68,17 +74,25 @@ class WandbSink:
         self.objective_key, self.objective = config["launcher"]["objective"], None
         self.mode = resolve_mode(logger.mode)
         self.run = wandb.init(
-            project=logger.project, entity=logger.entity,
+            project=logger.project,
+            entity=logger.entity,
             group=logger.group or os.environ.get("LMREPO_SWEEP_GROUP"),
             name=os.environ.get("LMREPO_JOB_NAME") or run_dir.name,
-            tags=[*logger.tags, *technique_tags(config)], id=run_id(run_dir), resume="allow",
-            dir=str(run_dir), mode=self.mode, config={**config, "ds_config": ds_config},
-            settings=wandb.Settings(init_timeout=60, console="off", silent=True))
+            tags=[*logger.tags, *technique_tags(config)],
+            id=run_id(run_dir),
+            resume="allow",
+            dir=str(run_dir),
+            mode=self.mode,
+            config={**config, "ds_config": ds_config},
+            settings=wandb.Settings(init_timeout=60, console="off", silent=True),
+        )
 
     def log(self, record: dict) -> None:
         if isinstance(record.get(self.objective_key), (int, float)):
             self.objective = record[self.objective_key]
-        self.run.log({k: v for k, v in record.items() if k not in ("step", "time") and v is not None}, step=record["step"])
+        self.run.log(
+            {k: v for k, v in record.items() if k not in ("step", "time") and v is not None}, step=record["step"]
+        )
 
     def finish(self) -> None:
         if self.objective is not None:

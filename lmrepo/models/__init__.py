@@ -1,4 +1,5 @@
 """Model presets -> plain transformers models (random init, or a pretrained directory)."""
+
 from types import ModuleType
 
 from transformers import PreTrainedModel

@@ -9,6 +9,7 @@ last stage and all-reduces their gradients (TiedLayerSpec).
 
 Every layer takes and returns one tensor: the pipeline sends it from stage to stage.
 """
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -16,8 +17,8 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 from transformers.masking_utils import create_causal_mask
 
-
 # --- GPT-2 ---------------------------------------------------------------------------------
+
 
 class GPT2EmbeddingPipe(nn.Module):
     def __init__(self, transformer):
@@ -42,8 +43,9 @@ class GPT2BlockPipe(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # The mask GPT2Model builds for an unpadded block (None under SDPA: is_causal does it).
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=positions)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+        )
         return self.block(hidden, None, mask, position_ids=positions)
 
 
@@ -61,13 +63,16 @@ class NormPipe(nn.Module):
 
 def gpt2_layers(net) -> list:
     t = net.transformer
-    return [TiedLayerSpec("embed", GPT2EmbeddingPipe, t, tied_weight_attr="wte.weight"),
-            *[LayerSpec(GPT2BlockPipe, block, net.config) for block in t.h],
-            LayerSpec(NormPipe, t.ln_f),
-            TiedLayerSpec("embed", GPT2EmbeddingPipe, t, forward_fn=gpt2_logits, tied_weight_attr="wte.weight")]
+    return [
+        TiedLayerSpec("embed", GPT2EmbeddingPipe, t, tied_weight_attr="wte.weight"),
+        *[LayerSpec(GPT2BlockPipe, block, net.config) for block in t.h],
+        LayerSpec(NormPipe, t.ln_f),
+        TiedLayerSpec("embed", GPT2EmbeddingPipe, t, forward_fn=gpt2_logits, tied_weight_attr="wte.weight"),
+    ]
 
 
 # --- BERT ----------------------------------------------------------------------------------
+
 
 class BertEmbeddingPipe(nn.Module):
     def __init__(self, embeddings):
@@ -104,12 +109,19 @@ class BiasPipe(nn.Module):
 
 def bert_layers(net) -> list:
     embeddings, predictions = net.bert.embeddings, net.cls.predictions
-    return [TiedLayerSpec("embed", BertEmbeddingPipe, embeddings, tied_weight_attr="embeddings.word_embeddings.weight"),
-            *[LayerSpec(BertLayerPipe, layer) for layer in net.bert.encoder.layer],
-            LayerSpec(NormPipe, predictions.transform),
-            TiedLayerSpec("embed", BertEmbeddingPipe, embeddings, forward_fn=bert_logits,
-                          tied_weight_attr="embeddings.word_embeddings.weight"),
-            LayerSpec(BiasPipe, predictions.decoder.bias)]
+    return [
+        TiedLayerSpec("embed", BertEmbeddingPipe, embeddings, tied_weight_attr="embeddings.word_embeddings.weight"),
+        *[LayerSpec(BertLayerPipe, layer) for layer in net.bert.encoder.layer],
+        LayerSpec(NormPipe, predictions.transform),
+        TiedLayerSpec(
+            "embed",
+            BertEmbeddingPipe,
+            embeddings,
+            forward_fn=bert_logits,
+            tied_weight_attr="embeddings.word_embeddings.weight",
+        ),
+        LayerSpec(BiasPipe, predictions.decoder.bias),
+    ]
 
 
 # --- both ----------------------------------------------------------------------------------
@@ -156,4 +168,3 @@ def layer_class_names(family: str, n_layer: int) -> list[str]:
     if family == "gpt2":
         return ["GPT2EmbeddingPipe", *["GPT2BlockPipe"] * n_layer, "NormPipe", "GPT2EmbeddingPipe"]
     return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "NormPipe", "BertEmbeddingPipe", "BiasPipe"]
-
