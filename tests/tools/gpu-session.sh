@@ -22,8 +22,9 @@ REPO=$PWD
 OUT=${OUT:-/tmp/lmrepo-gpu-out}
 mkdir -p "$OUT"
 BUDGET=${GPU_SESSION_BUDGET_S:-480}
-WORK=/tmp/lmrepo-gpu                  # run directories and the token cache (kept for a rerun on a warm machine)
-SITE=/tmp/site
+export OUT
+export WORK=/tmp/lmrepo-gpu           # run directories and the token cache (kept for a rerun on a warm machine)
+export SITE=/tmp/site
 
 export PYTHONPATH=$SITE:$REPO
 export PYTHONUNBUFFERED=1
@@ -33,6 +34,8 @@ unset PYTHONDONTWRITEBYTECODE          # the wheels install uncompiled: the firs
 # tests and train.py share one build: ninja rebuilds an op whose compile command changed.
 export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 export MAX_JOBS=16
+# DeepSpeed 0.19.8 parses the arch list as numbers: "9.0a" (the image's list) fails its op builder
+export TORCH_CUDA_ARCH_LIST="$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed "s/a//g")"
 export CXX=${CXX:-c++}
 # One token cache for the tests (conftest reads LMREPO_TEST_CACHE) and the jobs: Shakespeare is tokenized once.
 export LMREPO_CACHE=$WORK/cache LMREPO_TEST_CACHE=$WORK/cache
@@ -42,8 +45,9 @@ FAILED=0
 RESULTS=()
 DEADLINE=$((SECONDS + BUDGET))
 
-# step NAME CAP_S RESERVE_S COMMAND...: runs COMMAND under a timeout of CAP_S seconds, cut so
-# that RESERVE_S seconds stay for the steps after it and the script keeps its deadline.
+# step NAME CAP_S RESERVE_S FUNCTION ARGS...: runs one of the functions below in a bash of its own
+# under a timeout (which ends its whole process group) of CAP_S seconds, cut so that RESERVE_S
+# seconds stay for the steps after it and the script keeps its deadline.
 step() {
   local name=$1 cap=$2 reserve=$3
   shift 3
@@ -58,7 +62,7 @@ step() {
   echo
   echo "=== $name (timeout ${cap}s): $*"
   local start=$SECONDS rc=0
-  timeout -k 10 "$cap" "$@" || rc=$?
+  timeout -k 10 "$cap" bash -o pipefail -c '"$@"' "$name" "$@" || rc=$?
   ((rc == 124 || rc == 137)) && echo "=== $name: timed out after ${cap}s"
   RESULTS+=("$name: exit $rc, $((SECONDS - start)) s")
   ((rc == 0)) || FAILED=1
@@ -71,14 +75,13 @@ install_wheels() {
 }
 
 versions() {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
   echo "nvcc: $(command -v nvcc || echo none) $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || true)"
   echo "CXX=$CXX: $($CXX --version 2>/dev/null | head -1 || echo none)"
   python3 - <<'EOF'
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, distributions, version
-
-from packaging.requirements import Requirement
 
 print("python", sys.version.split()[0], sys.executable)
 import torch
@@ -98,8 +101,10 @@ names = ("datasets", "tokenizers", "huggingface-hub", "accelerate", "hydra-core"
          "pyarrow", "numpy", "regex", "fsspec", "safetensors", "typing-extensions", "pytest", "pytest-xdist")
 print(" ".join(f"{n}=={version(n)}" for n in names))
 # Every carried wheel's needs (extras aside), against what this python finds first.
+from packaging.requirements import Requirement
+
 problems = []
-for dist in distributions(path=[sys.path[1] if sys.path[0] == "" else sys.path[0]]):
+for dist in distributions(path=[os.environ["SITE"]]):
     for line in dist.requires or []:
         req = Requirement(line)
         if req.marker and not req.marker.evaluate({"extra": ""}):
@@ -152,15 +157,20 @@ job() {
   return "$rc"
 }
 
+export -f install_wheels versions build_fused_adam gpu_tests job
+
 main() {
   echo "lmrepo GPU session at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ), budget ${BUDGET}s"
   mkdir -p "$WORK"
   rm -rf "$WORK/default" "$WORK/gpt2"     # a rerun on a warm machine starts the jobs afresh
-  step install 90 390 install_wheels
-  step versions 60 380 versions
-  step fused_adam_build 240 330 build_fused_adam
-  step pytest_gpu 330 110 gpu_tests
-  step job_default 90 60 job default trainer.max_steps=60 logger=jsonl
+  # The caps and reserves assume (estimates, not yet measured): install ~10 s, versions ~15, the
+  # fused_adam build 1-2 min, the tests a few minutes (8 train.py runs, the first tokenizes
+  # Shakespeare), each job under a minute.
+  step install 90 0 install_wheels
+  step versions 60 0 versions
+  step fused_adam_build 240 180 build_fused_adam
+  step pytest_gpu 330 90 gpu_tests
+  step job_default 90 45 job default trainer.max_steps=60 logger=jsonl
   step job_gpt2 150 0 job gpt2 model=gpt2 data.block_size=1024 trainer.micro_batch_size=8 trainer.max_steps=40 \
     precision=bf16 logger=jsonl trainer.eval_every=0
   echo
