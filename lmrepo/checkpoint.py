@@ -336,7 +336,12 @@ def pipeline_layout(pipeline: PipelineConfig) -> dict:
 
 
 def inspect(
-    directory: Path, tag: str, model_cfg: ModelConfig, tokenizer_size: int, pipeline_cfg: PipelineConfig | None = None
+    directory: Path,
+    tag: str,
+    model_cfg: ModelConfig,
+    tokenizer_size: int,
+    pipeline_cfg: PipelineConfig | None = None,
+    engine: str = "deepspeed",
 ) -> Resume:
     """Reads the checkpoint's client state and refuses one this run cannot continue."""
     tag_dir = directory / tag
@@ -388,6 +393,12 @@ def inspect(
         raise ConfigError(
             f"checkpoint {tag_dir} was saved with another pipeline layout ({differs}): resume with the "
             "same pipeline settings, or export it (scripts/export_hf.py) and start from model.pretrained"
+        )
+    saved_engine = (states["config"].get("engine") or {}).get("name", "deepspeed")
+    if saved_engine != engine:
+        raise ConfigError(
+            f"checkpoint {tag_dir} was written by engine={saved_engine}, this run is engine={engine}: resume with "
+            f"engine={saved_engine}, or export it (scripts/export_hf.py RUN OUT) and start from model.pretrained=OUT"
         )
     partitioned = any(tag_dir.glob("*zero_pp_rank_*"))
     return Resume(

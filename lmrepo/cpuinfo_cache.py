@@ -2,8 +2,8 @@
 
 DeepSpeed asks py-cpuinfo what the CPU is whenever it loads a CPU op: cpu_adam's builder twice
 (-march, SIMD width) and DeepSpeedCPUAdam once, async_io's builder twice more. Each ask starts a
-Python process that times the clock: ~1.1 CPU-s, so every rank of an `offload=cpu` run started
-3.3 s later. The answer only depends on the processor: it is kept in lmrepo's cache directory,
+Python process that times the clock for about a second, three times per rank of an
+`offload=cpu` run. The answer only depends on the processor: it is kept in lmrepo's cache directory,
 named after what /proc/cpuinfo says of the processor, and read back by every later process.
 """
 

@@ -3,7 +3,7 @@
 `precision=auto` picks bf16 only where bf16 matmuls run at full speed: CUDA GPUs of compute
 capability 8.0 and newer (Ampere), CPUs whose bf16 matmuls go to oneDNN's native kernels
 (AVX512-BF16 or AMX on x86; the BF16 extension on Arm). Elsewhere torch computes bf16 on a slow
-path (measured on an AVX2-only AMD EPYC: 0.001 TFLOP/s in bf16 against 0.07 in fp32), while
+path, many times slower than fp32 (benchmarks/results/bench_precision_xeon-spr_2026-11.md), while
 DeepSpeed's CPU accelerator still reports bf16 as supported.
 """
 

@@ -120,8 +120,8 @@ TORCH_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgr
 
 def prefer_torch_adam_on_cpu(ds: dict, device_type: str) -> None:
     """On a CPU without optimizer offload, DeepSpeed's Adam/AdamW is its FusedAdam op: a C++
-    extension compiled on first use (over a minute on 2 cores) whose loading probes the CPU in a
-    subprocess on every start (~2 s a rank). torch's fused AdamW computes the same update at the
+    extension compiled on first use (minutes on a small machine) whose loading probes the CPU in
+    a subprocess. torch's fused AdamW computes the same update at the
     same speed on a CPU (benchmarks/bench_optimizer.py), so the CPU uses it. GPUs and CPU offload
     (DeepSpeedCPUAdam, what offload=cpu means) keep DeepSpeed's ops; a JSON that says torch_adam wins."""
     params = _adam_params(ds) if device_type == "cpu" else None
@@ -145,8 +145,8 @@ def _adam_params(ds: dict) -> dict | None:
 def continue_with_saved_adam(ds: dict, saved: dict) -> str | None:
     """A resumed run keeps the Adam its checkpoint was written by (`saved`: that run's DeepSpeed
     dict): DeepSpeed's FusedAdam counts steps per parameter group, torch's per parameter, so the
-    other one would read step 0 and restart Adam's bias correction (measured: the loss 0.3% off two
-    steps after the resume). Returns the line to say, or None when nothing changes."""
+    other one would read step 0 and restart Adam's bias correction (the loss moves off the
+    uninterrupted run's at once). Returns the line to say, or None when nothing changes."""
     ours, theirs = _adam_params(ds), _adam_params(dict(saved))
     if ours is None or theirs is None or bool(ours.get("torch_adam")) == bool(theirs.get("torch_adam")):
         return None

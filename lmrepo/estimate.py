@@ -1,13 +1,13 @@
 """Pre-flight arithmetic: parameters, model-state and activation memory per rank, FLOPs, time to train.
 
 Pure functions: no process group, no GPU. Sources:
-- parameters: seed 003 (Narayanan et al. 2021), P = 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)),
+- parameters: Narayanan et al. 2021, P = 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)),
   and the exact count of the transformers model train.py builds, made on the meta device;
-- model states: ZeRO (Rajbhandari et al. 2020, Sec. 3 and Fig. 1; seed 000), ZeRO-Offload
+- model states: ZeRO (Rajbhandari et al. 2020, Sec. 3 and Fig. 1), ZeRO-Offload
   (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021);
 - activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (tensor parallel size 1, no sequence parallelism);
-- FLOPs and time: lmrepo.metrics (the 72/96 forms of seed 003) and seed 003's 8*T*P/(n*X).
+- FLOPs and time: lmrepo.metrics (the 72/96 forms of Narayanan et al. 2021) and its 8*T*P/(n*X).
 """
 
 import math
@@ -43,9 +43,9 @@ def largest_module_parameters(model: torch.nn.Module) -> int:
 
 
 def formula_parameters(n_layer: int, n_embd: int, vocab: int, seq_len: int) -> float:
-    """Seed 003: each block has 12h^2 + 13h (QKV, projection and the 4h MLP with their biases, two
-    layer norms), plus token and position embeddings (V+s)h. It leaves out GPT-2's final layer
-    norm (2h) and BERT's token types, embedding norm and MLM head."""
+    """Narayanan et al. 2021: each block has 12h^2 + 13h (QKV, projection and the 4h MLP with
+    their biases, two layer norms), plus token and position embeddings (V+s)h. It leaves out
+    GPT-2's final layer norm (2h) and BERT's token types, embedding norm and MLM head."""
     l, h = n_layer, n_embd
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
 
@@ -107,6 +107,23 @@ def model_state_bytes(
             held["gpu"] += grad_b * params
     held[away] += optim_b * (share if stage >= 1 else params)
     return ModelStates(**held)
+
+
+def fsdp2_state_bytes(
+    params: int, dp: int, dtype: str, offload: str = "none", keep_gathered: bool = False
+) -> ModelStates:
+    """Per-rank model states under FSDP2 (engine=fsdp2) over `dp` ranks: fp32 parameters, fp32
+    gradients (reduced in fp32 under bf16's MixedPrecisionPolicy) and Adam's two fp32 moments,
+    all sharded: 16 bytes x params / dp at any precision, in host memory with offload=cpu. With
+    `keep_gathered` (zero=stage2: parameters not resharded after forward) every block's
+    parameters stay gathered in the compute precision from forward to backward, which adds the
+    whole model in that precision at the peak. One block gathered at a time (zero=stage3) is a
+    transient, not counted, as for ZeRO-3."""
+    share = 16 * params / dp
+    gathered = (4 if dtype == "fp32" else 2) * params if keep_gathered else 0.0
+    if offload == "cpu":
+        return ModelStates(gpu=gathered, cpu=share, nvme=0.0)
+    return ModelStates(gpu=share + gathered, cpu=0.0, nvme=0.0)
 
 
 def optimizer_group_sizes(model: torch.nn.Module) -> list[list[int]]:
@@ -192,6 +209,6 @@ def checkpointed_layers(n_layer: int, checkpointing) -> int:
 
 
 def train_seconds(tokens: float, params: float, devices: int, tflops: float, recompute: bool) -> float:
-    """Seed 003 (Narayanan et al. 2021): 8*T*P/(n*X) with activation recomputation (forward
+    """Narayanan et al. 2021: 8*T*P/(n*X) with activation recomputation (forward
     2PT FLOPs, backward 4PT, recomputed forward 2PT), 6*T*P/(n*X) without; X in TFLOP/s per device."""
     return (8 if recompute else 6) * tokens * params / (devices * tflops * 1e12)

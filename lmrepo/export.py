@@ -16,9 +16,13 @@ from lmrepo.models import FAMILIES, pipe
 from lmrepo.tokenizer import load_tokenizer
 
 
-def consolidated_state_dict(directory: Path, tag: str, states: dict) -> dict:
-    """fp32 weights: from the (fp32 master) optimizer partitions when the optimizer state is
-    partitioned (ZeRO 1-3, bf16), else the module weights saved whole (ZeRO-0 fp32)."""
+def consolidated_state_dict(directory: Path, tag: str, states: dict, model: torch.nn.Module) -> dict:
+    """fp32 weights: FSDP2's DCP shards joined, the (fp32 master) optimizer partitions when the
+    optimizer state is partitioned (ZeRO 1-3, bf16), else the module weights saved whole (ZeRO-0 fp32)."""
+    if states.get("engine") == "fsdp2":
+        from lmrepo.engines.fsdp2 import load_full_weights
+
+        return load_full_weights(directory / tag, model)
     if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
         with safe_load.weights_only_loads(directory / tag):
             return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
@@ -71,7 +75,7 @@ def consolidate(source: str) -> Consolidated:
     if (directory / tag / "layer_00-model_states.pt").is_file():
         weights = pipeline_state_dict(directory / tag, model, model_cfg.family)
     else:
-        weights = consolidated_state_dict(directory, tag, states)
+        weights = consolidated_state_dict(directory, tag, states, model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {
         k

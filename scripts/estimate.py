@@ -6,11 +6,11 @@
 Arguments are train.py's Hydra overrides plus the keys of the estimate itself:
     world=N          ranks (GPUs) of the job (1)
     gpus_per_node=N  ranks per node: host memory per node, DeepSpeed's estimators (min(8, world))
-    tokens=T         tokens to train on (300e9, seed 003's example)
+    tokens=T         tokens to train on (300e9, as in the worked examples of the 8TP/(nX) arithmetic)
     tflops=X         achieved TFLOP/s per device counting recomputation, lmrepo's `tflops` metric;
     gpu=NAME mfu=F   otherwise X comes from NAME's peak (A100; or metrics.peak_tflops=) x MFU F (0.4,
-                     about what seed 003's 18B example reaches: 157.7 TFLOP/s on an A100 with
-                     recomputation is 50.5% of peak, 38% counting model FLOPs only)
+                     about what the 18B GPT of those examples reaches: 50.5% of an A100's peak
+                     with recomputation, 38% counting model FLOPs only)
 No process group, no GPU, nothing written. A bad argument: one line on stderr, exit 2.
 """
 
@@ -142,7 +142,7 @@ def print_model_states(job: Job, params: int, largest: int) -> None:
     )
     for st in range(4):
         for off in OFFLOADS:
-            this_job = (st, off) == (stage, target)
+            this_job = (st, off) == (stage, target) and job.cfg.engine.name == "deepspeed"
             # Other rows take the offload group's default: parameters offloaded too at stage 3.
             off_params = job.offload_params if this_job else off != "none" and st == 3
             try:
@@ -172,6 +172,26 @@ def print_model_states(job: Job, params: int, largest: int) -> None:
             else "(no model.zero_init) a full fp32 model per rank in host memory at start; their stage-2\n"
             "  figure puts all ranks' copies on every node."
         )
+    )
+
+
+def print_fsdp2_states(job: Job, params: int) -> None:
+    """engine=fsdp2: every state sharded at both stages; zero=stage2 keeps the gathered weights."""
+    dtype, gpn = job.cfg.precision.dtype, job.own["gpus_per_node"]
+    print(f"\nModel states per rank under engine=fsdp2 ({dtype}, {job.dp} ranks), GiB")
+    print(f"  {'layout':<16}{'offload':<9}{'GPU':>9}{'CPU':>9}{'CPU/node':>10}")
+    for stage, keep in ((3, False), (2, True)):
+        for off in ("none", "cpu"):
+            ours = estimate.fsdp2_state_bytes(params, job.dp, dtype, off, keep_gathered=keep)
+            this_job = job.cfg.engine.name == "fsdp2" and job.cfg.zero.stage == stage and job.cfg.offload.target == off
+            print(
+                f"  {'* ' if this_job else '  '}{'zero=stage' + str(stage):<14}{off:<9}{ours.gpu / GIB:>9.2f}"
+                f"{ours.cpu / GIB:>9.2f}{ours.cpu * gpn / GIB:>10.2f}"
+            )
+    print(
+        "  FSDP2 shards fp32 parameters, gradients and Adam's moments at both stages (16 bytes x params / ranks);\n"
+        "  zero=stage2 (no reshard after forward) also holds the whole model gathered in the compute precision\n"
+        "  from forward to backward; zero=stage3 gathers one block at a time (not counted, as for ZeRO-3)."
     )
 
 
@@ -222,7 +242,7 @@ def print_compute(job: Job, params: int, checkpointed: int, peak: float | None) 
         x = peak * job.own["mfu"] * executed / model_flops
         source = f"{job.own['gpu']} {dtype} peak {peak:g} x MFU {job.own['mfu']:g}"
     step_flops = executed * job.global_batch * s
-    seed = estimate.train_seconds(tokens, params, world, x, recompute=bool(checkpointed))
+    by_formula = estimate.train_seconds(tokens, params, world, x, recompute=bool(checkpointed))
     print("\nCompute")
     print(
         f"  FLOPs per token: model {model_flops:.4g} (72 form), executed {executed:.4g}"
@@ -232,7 +252,7 @@ def print_compute(job: Job, params: int, checkpointed: int, peak: float | None) 
     print(f"  X = {x:.1f} TFLOP/s per device ({source}): {step_flops / (world * x * 1e12):.3f} s per step")
     print(
         f"  {tokens:,.0f} tokens on {world} device(s): {tokens * executed / (world * x * 1e12) / 86400:,.1f} days "
-        f"(seed 003: {8 if checkpointed else 6}TP/(nX) = {seed / 86400:,.1f} days)"
+        f"({8 if checkpointed else 6}TP/(nX), Narayanan et al. 2021: {by_formula / 86400:,.1f} days)"
     )
 
 
@@ -261,7 +281,8 @@ def main(argv: list[str]) -> None:
     )
     s, world, gpn = cfg.data.block_size, own["world"], own["gpus_per_node"]
     print(
-        f"{cfg.model.name} ({type(model).__name__}): zero=stage{cfg.zero.stage} offload={cfg.offload.target} "
+        f"{cfg.model.name} ({type(model).__name__}): engine={cfg.engine.name} zero=stage{cfg.zero.stage} "
+        f"offload={cfg.offload.target} "
         f"precision={cfg.precision.dtype} checkpointing={ckpt}"
     )
     print(
@@ -273,16 +294,17 @@ def main(argv: list[str]) -> None:
     print("\nParameters")
     print(f"  exact (transformers, tied embedding once)      {params:>16,}")
     print(
-        f"  seed 003: 12lh^2(1 + 13/12h + (V+s)/12lh)      {formula:>16,.0f}   ({formula - params:+,.0f}; l={l} "
+        f"  12lh^2(1 + 13/12h + (V+s)/12lh) (Narayanan)    {formula:>16,.0f}   ({formula - params:+,.0f}; l={l} "
         f"h={h} V={job.shape['vocab_size']} s={job.shape['n_positions']})"
     )
     if cfg.model.family == "llama":
         print(
-            "  (seed 003's formula and the FLOPs below are GPT-2's; Llama's SwiGLU MLP (3 n_embd x n_inner "
+            "  (that formula and the FLOPs below are GPT-2's; Llama's SwiGLU MLP (3 n_embd x n_inner "
             "matrices), untied output embedding and rotary positions do not follow them: trust the exact count)"
         )
     print(f"  largest module (ZeRO-3 gathers it whole)       {largest:>16,}")
     print_model_states(job, params, largest)
+    print_fsdp2_states(job, params)
     print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))
     print_activations(job, checkpointed)
     print_compute(job, params, checkpointed, peak)

@@ -22,8 +22,8 @@ MANDATORY = {
     "data=mixture": "data.sources",
 }
 
-# Seed 004's ds_config.json, verbatim.
-SEED_004 = """{
+# The ZeRO-2 ds_config.json of the DeepSpeed tutorials this project grew from, verbatim.
+TUTORIAL_DS_CONFIG = """{
   "fp16": {
     "enabled": true,
     "loss_scale": 0,
@@ -74,7 +74,12 @@ def all_options() -> list[str]:
 
 
 def option_yaml(group: str, option: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+    """An option's own keys: a `# @package _global_` option (engine=fsdp2, which also picks the
+    zero default) writes them under its group's name; its defaults list is not a key."""
+    path = CONF / group / f"{option}.yaml"
+    keys = OmegaConf.to_container(OmegaConf.load(path))
+    keys.pop("defaults", None)
+    return keys[group] if path.read_text().startswith("# @package _global_") else keys
 
 
 def ds_for(overrides: list[str], dp_size: int = 1) -> dict:
@@ -476,25 +481,25 @@ def test_merge_micro_batch_only_rederives_global(tmp_path, dp, accum):
 
 
 def test_seed_004_ds_config_rejected_on_cpu(tmp_path):
-    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}"])
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, TUTORIAL_DS_CONFIG)}"])
     with pytest.raises(ConfigError, match="change fp16.enabled in deepspeed_config="):
         validate(cfg, 1, CPU)  # the fp16 comes from the JSON: that is what to change
 
 
 def test_seed_004_ds_config_passes_on_gpu_and_keeps_user_values(tmp_path):
-    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}"])
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, TUTORIAL_DS_CONFIG)}"])
     ds, changed = validate(cfg, 1, GPU)
     assert_seed_004_values(ds, changed)
 
 
 def test_seed_004_ds_config_with_precision_fp32_keeps_user_values(tmp_path):
-    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}", "precision=fp32"])
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, TUTORIAL_DS_CONFIG)}", "precision=fp32"])
     ds, changed = validate(cfg, 1, GPU)
     assert_seed_004_values(ds, changed)
 
 
 def assert_seed_004_values(ds: dict, changed: list[str]) -> None:
-    user = json.loads(SEED_004)
+    user = json.loads(TUTORIAL_DS_CONFIG)
     assert ds["fp16"] == user["fp16"]
     assert ds["optimizer"] == user["optimizer"]
     assert ds["scheduler"]["type"] == "WarmupLR"
@@ -510,7 +515,7 @@ def assert_seed_004_values(ds: dict, changed: list[str]) -> None:
 
 
 def test_seed_004_scheduler_params_fit_the_user_scheduler(tmp_path):
-    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, SEED_004)}", "precision=fp32"])
+    cfg = compose_config([f"deepspeed_config={write_json(tmp_path, TUTORIAL_DS_CONFIG)}", "precision=fp32"])
     ds, _ = validate(cfg, 1, GPU)
     assert_deepspeed_accepts_scheduler(ds["scheduler"])
 
@@ -667,7 +672,7 @@ def test_moved_key_names_its_new_place():
         load_config(["trainer.lr=0.1"])
 
 
-# --- precision=auto and the warmup that fits the run (issue 14) -----------------------------
+# --- precision=auto and the warmup that fits the run -----------------------------------------
 
 
 def test_precision_auto_follows_native_bf16():

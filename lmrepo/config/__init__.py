@@ -23,6 +23,8 @@ from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunCo
 from lmrepo.config.parallel import (
     PIPELINE_FAMILIES,
     CheckpointingConfig,
+    EngineConfig,
+    EngineName,
     OffloadConfig,
     OffloadTarget,
     PipelineConfig,
@@ -58,6 +60,8 @@ __all__ = [
     "PrecisionConfig",
     "MetricsConfig",
     "ZeroConfig",
+    "EngineConfig",
+    "EngineName",
     "OffloadConfig",
     "PipelineConfig",
     "TPConfig",
@@ -78,6 +82,7 @@ __all__ = [
 
 @dataclass
 class TrainConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -138,6 +143,8 @@ def load(cfg: DictConfig) -> TrainConfig:
     config.schedule.check(config.trainer.max_steps)
     config.schedule.warmup_steps = config.schedule.resolved_warmup(config.trainer.max_steps)
     config.checkpointing.check(config.model.shape()["n_layer"])
+    if config.engine.name == EngineName.fsdp2:
+        fsdp2_check(config)
     n_positions = config.model.shape()["n_positions"]
     require(
         config.data.block_size <= n_positions,
@@ -145,6 +152,52 @@ def load(cfg: DictConfig) -> TrainConfig:
         "lower data.block_size or raise model.n_positions",
     )
     return config
+
+
+def fsdp2_check(config: TrainConfig) -> None:
+    """What engine=fsdp2 cannot mean, each one line naming the key (engines/fsdp2.py maps the rest)."""
+    other = "or choose engine=deepspeed"
+    stage = config.zero.stage
+    require(
+        stage >= 2,
+        f"engine=fsdp2 has no counterpart of zero=stage{stage} (FSDP2 shards parameters, gradients and optimizer "
+        f"states together): choose zero=stage3 (parameters resharded after forward) or zero=stage2 (kept "
+        f"gathered until backward), {other}",
+    )
+    require(
+        config.offload.target != OffloadTarget.nvme,
+        f"engine=fsdp2 offloads to CPU memory only: choose offload=cpu or offload=none, {other}",
+    )
+    require(
+        config.offload.target == OffloadTarget.none or config.offload.params is not False,
+        "engine=fsdp2 offloads parameters, gradients and optimizer states together (CPUOffloadPolicy): "
+        f"drop offload.params=false, {other}",
+    )
+    require(config.pipeline.schedule == "none", f"engine=fsdp2 runs without a pipeline: choose pipeline=none, {other}")
+    require(
+        config.tp.mode == TPMode.none,
+        f"engine=fsdp2 with tensor parallelism (a 2-D mesh) is not offered: choose tp=none, {other}",
+    )
+    require(
+        config.deepspeed_config is None,
+        f"deepspeed_config={config.deepspeed_config} configures DeepSpeed's engine, not FSDP2: drop it, {other}",
+    )
+    require(
+        config.precision.dtype != Dtype.fp16,
+        "engine=fsdp2 trains in fp32 or bf16 (fp16 would need a sharded gradient scaler): choose precision=bf16, "
+        + other,
+    )
+    require(not config.model.zero_init, f"model.zero_init is DeepSpeed's zero.Init: set it to false, {other}")
+    zero_r = [
+        key
+        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+        if getattr(config.checkpointing, key)
+    ]
+    require(
+        not (config.checkpointing.enabled and zero_r),
+        f"checkpointing.{zero_r[0] if zero_r else ''} is a ZeRO-R option of DeepSpeed's activation checkpointing; "
+        f"under engine=fsdp2 blocks recompute with torch.utils.checkpoint: drop it, {other}",
+    )
 
 
 def layout_check(config: TrainConfig, world_size: int) -> int:

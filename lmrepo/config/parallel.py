@@ -8,6 +8,20 @@ from typing import Any, Optional
 from lmrepo.errors import ConfigError, require
 
 
+class EngineName(StrEnum):
+    deepspeed = "deepspeed"
+    fsdp2 = "fsdp2"
+
+
+@dataclass
+class EngineConfig:
+    """Which library shards and steps the model. The groups mean the same under both engines, or
+    are refused in one line (lmrepo/engines/fsdp2.py says what each becomes under FSDP2)."""
+
+    name: EngineName = EngineName.deepspeed
+    """deepspeed (ZeRO 0-3, offload, pipelines, AutoTP) | fsdp2 (PyTorch FSDP2: fully_shard per block)"""
+
+
 @dataclass
 class ZeroConfig:
     """DeepSpeed's `zero_optimization` keys, named as DeepSpeed names them; null = DeepSpeed's default."""

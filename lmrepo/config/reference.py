@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TECHNIQUE_GROUPS = (
+    "engine",
     "model",
     "data",
     "optimizer",

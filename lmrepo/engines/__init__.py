@@ -6,10 +6,16 @@ from lmrepo.engines.base import Engine
 
 
 def build_engine(config: TrainConfig, ds_config: dict) -> Engine:
-    """The engine config.pipeline asks for, each given the slices it reads. DeepSpeed's engines
-    take the final DeepSpeed dict (a user's JSON included); the torch pipeline is not a
-    DeepSpeed engine and takes lmrepo's own settings."""
+    """The engine config.engine and config.pipeline ask for, each given the slices it reads.
+    DeepSpeed's engines take the final DeepSpeed dict (a user's JSON included); FSDP2 and the
+    torch pipeline are not DeepSpeed engines and take lmrepo's own settings, with the batch and
+    the scheduler section from the same dict (one arithmetic for every engine)."""
     pipeline = config.pipeline
+    if config.engine.name == "fsdp2":
+        from lmrepo.ds_config import batch_of
+        from lmrepo.engines import fsdp2
+
+        return fsdp2.build(config, ds_config["scheduler"], batch_of(ds_config)[2])
     if pipeline.engine == "torch":
         from lmrepo.ds_config import batch_of, scheduler_section
         from lmrepo.engines import torch_pipeline

@@ -1,10 +1,12 @@
 """DeepSpeed's engine around a plain transformers model: ZeRO 0-3, offload, precision, AutoTP."""
 
+import math
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import clip_grad_norm_
 from transformers.integrations import HfDeepSpeedConfig
 
 from lmrepo.config import CheckpointingConfig, ModelConfig
@@ -89,12 +91,22 @@ class DeepSpeedEngine:
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         losses = []
-        for batch in batches:
+        for index, batch in enumerate(batches):
             loss = self.ds(**to_device(batch, self.device)).loss
-            self.ds.backward(loss)
+            self.ds.backward(loss)  # at the accumulation boundary this also reduces the gradients
+            if index == len(batches) - 1 and self._norm_before_step():
+                self.last_grad_norm = float(clip_grad_norm_(self.ds.module.parameters(), math.inf, mpu=self.ds.mpu))
             self.ds.step()  # DeepSpeed steps the optimizer at the accumulation boundary
             losses.append(loss.detach().float())
+        if not self._norm_before_step():
+            self.last_grad_norm = self.ds.get_global_grad_norm()
         return torch.stack(losses).mean()
+
+    def _norm_before_step(self) -> bool:
+        """fp32 without ZeRO: DeepSpeed clips the gradients itself and keeps no norm, so lmrepo
+        measures it the same way (its clip_grad_norm_ with no limit) before the step; its ZeRO,
+        bf16 and fp16 optimizers keep the norm they computed."""
+        return not (self.ds.zero_optimization() or self.ds.bfloat16_enabled() or self.ds.fp16_enabled())
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:
@@ -107,10 +119,13 @@ class DeepSpeedEngine:
         return self.ds.get_lr()[0]
 
     def step_record(self) -> dict:
-        """fp16 only (GPU): the dynamic loss scale and how many steps overflowed and were skipped."""
-        if not self.ds.fp16_enabled():
-            return {}
-        return {"loss_scale": float(self.ds.optimizer.loss_scale), "skipped_steps": int(self.ds.skipped_steps)}
+        """The global gradient norm before clipping; with fp16 (GPU) the dynamic loss scale and how
+        many steps overflowed and were skipped."""
+        norm = getattr(self, "last_grad_norm", None)
+        record = {"grad_norm": float(norm)} if norm is not None else {}
+        if self.ds.fp16_enabled():
+            record.update(loss_scale=float(self.ds.optimizer.loss_scale), skipped_steps=int(self.ds.skipped_steps))
+        return record
 
     def save(self, directory: Path, tag: str, client_state: dict) -> None:
         self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)

@@ -14,7 +14,7 @@ def count_every_stage_in_clip_norm(module: PipelineModule) -> None:
     """DeepSpeed's fp32 ZeRO-0 gradient clipping (deepspeed.runtime.utils.clip_grad_norm_) counts a
     gradient when `mpu.get_model_parallel_rank() == 0` or the parameter is marked model-parallel;
     a pipeline's grid answers that rank with the stage index, so only the first stage's gradients
-    made the norm (measured: clip coefficient 0.651 where the whole model's norm gives 0.518).
+    made the norm, and the clip factor was too large (tests/test_pipeline.py checks it).
     Marking each stage's own parameters counts them all once; the tied copies DeepSpeed marks
     `ds_pipe_replicated` stay unmarked, so only the first stage counts them. Every other
     DeepSpeed use of the mark tests the tensor-parallel rank, which is 0 here: no other effect."""
@@ -34,7 +34,10 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         )
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
-        return self.ds.train_batch(pipeline_inputs(batches)).detach().float()
+        loss = self.ds.train_batch(pipeline_inputs(batches)).detach().float()
+        # bf16 and ZeRO-1 keep the global norm; fp32 ZeRO-0 clips inside train_batch and keeps none
+        self.last_grad_norm = self.ds.get_global_grad_norm()
+        return loss
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:

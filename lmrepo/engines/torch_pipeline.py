@@ -1,7 +1,7 @@
 """PyTorch's own pipeline schedules (torch.distributed.pipelining: ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B) as an lmrepo Engine, so that the loop and checkpointing drive
 `pipeline=gpipe | 1f1b_torch | interleaved` exactly as they drive `pipeline=1f1b`, and one sweep
-compares the schedules of seed 001 on one model.
+compares the schedules on one model.
 
 What DeepSpeed's engine would do around the schedule is done here, with DeepSpeed's own parts
 wherever they exist, so both paths train the same model the same way:
@@ -186,6 +186,7 @@ class TorchPipelineEngine:
         self.lr_scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
         self.gradient_clipping, self.bf16 = grad_clip, bf16
         self.global_steps = 0
+        self.last_grad_norm: float | None = None
 
     # --- pieces of __init__
 
@@ -236,7 +237,7 @@ class TorchPipelineEngine:
         return self.optimizer.param_groups[0]["lr"]
 
     def step_record(self) -> dict:
-        return {}
+        return {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         return self.train_batch(pipeline_inputs(batches))
@@ -270,8 +271,7 @@ class TorchPipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._run(self.schedule, data_iter, self.micro_batches, train=True)  # grads: mean over micro-batches
         self._reduce_gradients()
-        if self.gradient_clipping > 0:
-            self._clip_gradients(self.gradient_clipping)
+        self._clip_gradients(self.gradient_clipping)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.global_steps += 1
@@ -317,6 +317,9 @@ class TorchPipelineEngine:
         ]
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
         dist.all_reduce(total, group=self.grid.pp_proc_group)
+        self.last_grad_norm = total.sqrt().item()
+        if max_norm <= 0:  # 0: clipping off, the norm still logged
+            return
         coefficient = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
         for grad in self._gradients():
             grad.mul_(coefficient)

@@ -25,6 +25,7 @@ from lm_eval.models.utils import (
     resolve_max_length,
 )
 from lm_eval.models.utils_hf import stop_sequences_criteria
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 MAX_GEN_TOKS = 256  # HFLM's default for tasks that set no max_gen_toks
@@ -55,9 +56,9 @@ class LmrepoLM(TemplateLM):
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._rank = dist.get_rank(group) if distributed else 0
         self._world_size = dist.get_world_size(group) if distributed else 1
-        # ZeRO-3 partitions: every rank must run every forward (see _in_lockstep); generate() keeps
-        # forwarding until all ranks are done (synced_gpus)
-        self.synced = distributed and any(hasattr(p, "ds_id") for p in model.parameters())
+        # ZeRO-3 partitions and FSDP2 shards (DTensors): every rank must run every forward (see
+        # _in_lockstep); generate() keeps forwarding until all ranks are done (synced_gpus)
+        self.synced = distributed and any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
         self._max_length = resolve_max_length(model.config, tokenizer)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.progress = None  # called after every forward or generation: training's watchdog heartbeat

@@ -1,4 +1,4 @@
-"""GPT-2 and BERT as a sequence of pipeline layers (seed 001's split: pre-process, blocks,
+"""GPT-2 and BERT as a sequence of pipeline layers (the usual split: pre-process, blocks,
 post-process), built around the modules of an ordinary transformers model.
 
 The layers wrap the transformers model's own modules, so a pipelined run starts from exactly

@@ -1,0 +1,256 @@
+"""PyTorch FSDP2 as lmrepo's second engine: the same job as DeepSpeed's, sharded by
+`torch.distributed.fsdp.fully_shard` (torchtitan's recipe: each transformer block is an FSDP unit,
+then the root). What the groups mean here:
+
+- zero=stage3: parameters resharded after forward (FULL_SHARD); zero=stage2: kept gathered from
+  forward to backward (SHARD_GRAD_OP). Gradients and optimizer states are sharded in both.
+- precision=bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded
+  parameters, as DeepSpeed's bf16 keeps fp32 masters; fp32: no policy.
+- offload=cpu: CPUOffloadPolicy (sharded parameters, gradients and optimizer states in CPU memory).
+- checkpointing=full|every_n: the blocks recompute with torch.utils.checkpoint (non-reentrant).
+- trainer.compile: each block torch.compile'd before it is sharded.
+- optimizer, schedule, trainer.grad_clip: torch's Adam/AdamW with lmrepo's parameter groups,
+  DeepSpeed's own LR scheduler classes (the `scheduler` section lmrepo builds), the global norm
+  clipped over every shard.
+- checkpoints: torch.distributed.checkpoint (DCP), one file per rank, resharded on load to any
+  rank count; the client state in `mp_rank_00_model_states.pt` as DeepSpeed's engines write it.
+The rest is refused before launch (lmrepo.config.fsdp2_check).
+"""
+
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from deepspeed.runtime import lr_schedules
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lmrepo import safe_load
+from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, TrainConfig
+from lmrepo.device import isolate_compile_cache
+from lmrepo.engines.base import to_device
+from lmrepo.engines.deepspeed import param_groups
+from lmrepo.errors import ConfigError
+from lmrepo.models import build_model
+
+TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks transformers itself keeps whole when it splits a model (`_no_split_modules`):
+    GPT2Block, LlamaDecoderLayer, BertLayer."""
+    names = set(model._no_split_modules or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+class FSDP2Engine:
+    """lmrepo's Engine over a fully_shard'ed transformers model."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerConfig,
+        scheduler: dict,
+        grad_clip: float,
+        micro_batches: int,
+        reshard_after_forward: bool,
+        bf16: bool,
+        offload: bool,
+        device: torch.device,
+    ):
+        self.device = device
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh(device.type, (self.dp_size,))
+        policy = {
+            "mesh": mesh,
+            "reshard_after_forward": reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy(),
+            "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
+        }
+        if not offload:
+            model.to(device)
+        for block in transformer_blocks(model):
+            fully_shard(block, **policy)
+        # The root holds the embeddings, the final norm and the (tied) LM head.
+        self.module = fully_shard(model, **policy)
+        groups = param_groups(self.module, optimizer.weight_decay)
+        self.optimizer = TORCH_OPTIMIZERS[optimizer.name](
+            groups, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps
+        )
+        # DeepSpeed's own scheduler class, from the section lmrepo builds for DeepSpeed's engines.
+        self.lr_scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
+        self.grad_clip, self.micro_batches = grad_clip, micro_batches
+        self.last_grad_norm: float | None = None
+        self.global_steps = 0
+
+    # --- what the loop calls
+
+    def train(self):
+        self.module.train()
+
+    def eval(self):
+        self.module.eval()
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def step_record(self) -> dict:
+        return {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}
+
+    def train_step(self, batches: list[dict]) -> torch.Tensor:
+        """As DeepSpeed does: each micro batch's loss divided by the accumulation steps, gradients
+        averaged over the ranks (FSDP2's reduce-scatter), clipped on their global norm, one step."""
+        losses = []
+        for batch in batches:
+            loss = self.module(**to_device(batch, self.device)).loss
+            (loss / len(batches)).backward()
+            losses.append(loss.detach().float())
+        # The global norm before clipping (torchtitan's way: the sharded norm made whole first).
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+        self.last_grad_norm = norm.item()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        self.global_steps += 1
+        return torch.stack(losses).mean().to(self.device)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[dict]) -> torch.Tensor:
+        self.eval()
+        mean = torch.stack([self.module(**to_device(batch, self.device)).loss.float() for batch in batches]).mean()
+        self.train()
+        return mean
+
+    # --- checkpoints: DCP for the sharded states, a torch.save file for the rest
+
+    def save(self, directory: Path, tag: str, client_state: dict) -> None:
+        tag_dir = Path(directory, str(tag))
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tag_dir)
+        if dist.get_rank() == 0:
+            states = {
+                "module": None,
+                "engine": "fsdp2",
+                "global_steps": self.global_steps,
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                **client_state,
+            }
+            torch.save(states, tag_dir / CLIENT_STATE_FILE)
+        dist.barrier()
+
+    def load(self, directory: Path, tag: str) -> dict:
+        tag_dir = Path(directory, str(tag))
+        states = safe_load.load(tag_dir / CLIENT_STATE_FILE)
+        if states.get("engine") != "fsdp2":
+            raise ConfigError(
+                f"{tag_dir} was written by DeepSpeed's engine: resume it with engine=deepspeed, or export it "
+                "(scripts/export_hf.py) and start engine=fsdp2 from model.pretrained"
+            )
+        # get_state_dict gives a fresh optimizer its (zero) states, so DCP has tensors to load into.
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, storage_reader=WeightsOnlyReader(tag_dir))
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+        self.global_steps = states["global_steps"]
+        engine_keys = {"module", "engine", "global_steps", "lr_scheduler"}
+        return {k: v for k, v in states.items() if k not in engine_keys}
+
+
+class WeightsOnlyReader(dcp.FileSystemReader):
+    """DCP (torch 2.13) reads tensors weights-only but its `.metadata` file with plain pickle,
+    which runs any code a crafted file holds: here the metadata's pickle may name DCP's metadata
+    classes and torch's value types, and nothing else."""
+
+    ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+    ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # how torch pickles a layout: by its name
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),  # the checkpoint's own path, in StorageMeta
+    }
+
+    def read_metadata(self, *args, **kwargs):
+        reader = self
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module: str, name: str):
+                if (module, name) in reader.ALLOWED or _torch_value(module, name):
+                    return super().find_class(module, name)
+                if module in reader.ALLOWED_MODULES:  # a class of DCP's own metadata, not a name it imports
+                    found = super().find_class(module, name)
+                    if isinstance(found, type) and found.__module__ == module:
+                        return found
+                raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed in DCP metadata")
+
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = Restricted(f).load()
+        except pickle.UnpicklingError as err:
+            raise safe_load.refusal(path, err) from None
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_full_weights(tag_dir: Path, model: torch.nn.Module) -> dict:
+    """The whole fp32 weights of an FSDP2 checkpoint, joined in this process (no process group):
+    for export, evaluation and generation."""
+    state = {"model": {k: v.float() for k, v in model.state_dict().items()}}
+    dcp.load(state, storage_reader=WeightsOnlyReader(tag_dir), no_dist=True)
+    return state["model"]
+
+
+def _torch_value(module: str, name: str) -> bool:
+    """torch's dtypes, layouts and memory formats: what TensorProperties pickles."""
+    if module != "torch":
+        return False
+    value = getattr(torch, name, None)
+    return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+
+
+def build(config: TrainConfig, scheduler: dict, micro_batches: int) -> FSDP2Engine:
+    """The model built and seeded as DeepSpeed's engine builds it, then sharded, on the device
+    DeepSpeed's accelerator names for this rank (the same the DeepSpeed engines run on)."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    model = build_model(config.model)
+    enable_activation_checkpointing(model, config.checkpointing)
+    if config.trainer.compile:
+        isolate_compile_cache()
+        for block in transformer_blocks(model):
+            block.compile()  # in place: parameter names, hence checkpoints, are unchanged
+    return FSDP2Engine(
+        model,
+        config.optimizer,
+        scheduler,
+        config.trainer.grad_clip,
+        micro_batches,
+        reshard_after_forward=config.zero.stage == 3,
+        bf16=config.precision.dtype == "bf16",
+        offload=config.offload.target == OffloadTarget.cpu,
+        device=device,
+    )
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, checkpointing: CheckpointingConfig) -> None:
+    if checkpointing.enabled:
+        model.activation_checkpointing_enable(every_n_layers=checkpointing.every_n_layers)
