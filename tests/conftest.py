@@ -34,10 +34,10 @@ def pin_op_builds() -> None:
     """Where and how this session's runs JIT-build DeepSpeed's ops (shm all-reduce, CPU Adam,
     async I/O), fixed once in the environment every run inherits, also runs given another HOME
     (rebuilding under it would add a minute to every process). Unless the user set CXX: the same
-    sources and flags without debug information and with torch's header parsed once per op (see
-    the script: async_io in 165 CPU-s against 237, benchmarks/bench_op_build.py), in a directory of its own, since ninja
-    rebuilds an op whose compile command changed and sharing train.py's would rebuild them back
-    and forth."""
+    sources and flags without debug information and with torch's header parsed once per op
+    (tests/tools/g++-for-tests; benchmarks/bench_op_build.py measures it), in a directory of its
+    own, since ninja rebuilds an op whose compile command changed and sharing train.py's would
+    rebuild them back and forth."""
     from torch.utils.cpp_extension import _get_build_directory
 
     # torch's answer for where this machine's ops are built (a py/accelerator-suffixed dir under HOME)
@@ -52,9 +52,8 @@ def pin_op_builds() -> None:
 def wait_passively_for_openmp_work() -> None:
     """`make test` runs two test files at once on as many cores, and a single-process run takes a
     thread per core: libgomp's idle threads spin between parallel regions (with OMP_WAIT_POLICY
-    unset), burning the core the other worker's processes need. Passive waiting gives it back: a
-    TINY run next to a busy core took 3.45 CPU-s against 4.35 (4 runs each), the same results.
-    Unless the user chose a policy."""
+    unset), burning the core the other worker's processes need. Passive waiting gives it back,
+    with the same results. Unless the user chose a policy."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -63,7 +62,7 @@ wait_passively_for_openmp_work()
 
 
 # The files that launch the most runs (and the JIT builds of DeepSpeed's ops), heaviest first, as
-# measured with --cpu-report (README: Tests). `make test` hands whole files to its two workers in
+# measured with --cpu-report (tests/README.md). `make test` hands whole files to its two workers in
 # collection order (--dist loadfile --no-loadscope-reorder): long files first, the short in-process
 # ones last, so both workers finish together instead of one running a long file alone at the end.
 # Only the order changes; a file missing here runs after these.
@@ -74,7 +73,9 @@ HEAVIEST_FIRST = (
     "test_sweep.py",
     "test_evaluate.py",
     "test_faults.py",
+    "test_fsdp2.py",
     "test_pipeline.py",
+    "test_readme.py",
     "test_train.py",
     "test_bench.py",
     "test_pipelining.py",
@@ -181,10 +182,9 @@ def launcher(ranks: int, via: str = "torchrun") -> list[str]:
     `torchrun` or `deepspeed`, both launchers users type, under which the ranks run the same way
     (lmrepo.launch gives DeepSpeed's shared-memory all-reduce LOCAL_SIZE under torchrun too).
     torchrun unless the test is about DeepSpeed's launcher (a signal it forwards, a rank it ends,
-    its exit code on a refusal, `--local_rank`): a 2-rank TINY run took 5.6 s and 9.5 CPU-s
-    under torchrun against 8.9 s and 11.5 CPU-s under deepspeed, whose runner and launch.py each
-    import all of DeepSpeed (1.45 s) and whose launch.py polls its ranks once a second
-    (benchmarks/bench_launchers.py)."""
+    its exit code on a refusal, `--local_rank`): torchrun starts faster, since DeepSpeed's
+    runner and launch.py each import all of DeepSpeed and its launch.py polls its ranks once a
+    second (benchmarks/bench_launchers.py measures both)."""
     return launch_command(ranks, via)
 
 

@@ -47,8 +47,11 @@ def assert_close(ours: list[tuple[int, float]], reference: list[tuple[int, float
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_fsdp2_equals_deepspeed_at_the_matching_stage(launch2, stage):
-    deepspeed = launch2(f"zero=stage{stage}", *LONG)
-    fsdp2 = launch2("engine=fsdp2", f"zero=stage{stage}", *LONG)
+    """ZeRO-3 over 20 steps of 2 micro batches; ZeRO-2 on the 6-step runs the ZeRO tests share
+    (test_distributed.py), which already clip and decay."""
+    job = LONG if stage == 3 else ("precision=fp32",)
+    deepspeed = launch2(f"zero=stage{stage}", *job)
+    fsdp2 = launch2("engine=fsdp2", f"zero=stage{stage}", *job)
     for key in ("loss", "grad_norm", "eval_loss"):
         assert_close(lines(fsdp2, key), lines(deepspeed, key), f"{key}, zero=stage{stage}")
     assert all(m["lr"] == r["lr"] for m, r in zip(read_metrics(fsdp2), read_metrics(deepspeed)) if "lr" in m)

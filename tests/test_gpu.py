@@ -62,3 +62,25 @@ def test_cuda_memory_covers_the_estimated_model_states_and_mfu_is_reported(tmp_p
     assert last["mfu"] is not None and 0 < last["mfu"] < 1, f"MFU against {torch.cuda.get_device_name()}'s peak"
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["bf16"]["enabled"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fsdp2_on_cuda_equals_deepspeed_zero3(tmp_path):
+    """engine=fsdp2 on the CUDA mesh (NCCL) against DeepSpeed ZeRO-3, fp32, and its bf16
+    MixedPrecisionPolicy run; on every visible GPU."""
+    ranks = torch.cuda.device_count()
+    launch = {"ranks": ranks if ranks > 1 else 0, "via": "deepspeed"}
+    runs = {}
+    for name, extra in (
+        ("deepspeed", []),
+        ("fsdp2", ["engine=fsdp2"]),
+        ("fsdp2_bf16", ["engine=fsdp2", "precision=bf16"]),
+    ):
+        runs[name] = tmp_path / name
+        assert_ok(run_train([*TINY, "zero=stage3", "trainer.micro_batch_size=2", *extra], runs[name], **launch))
+    reference = [m["loss"] for m in read_metrics(runs["deepspeed"]) if "loss" in m]
+    ours = [m["loss"] for m in read_metrics(runs["fsdp2"]) if "loss" in m]
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, reference)) <= 1e-5
+    bf16 = [m for m in read_metrics(runs["fsdp2_bf16"]) if "loss" in m]
+    assert bf16[-1]["loss"] < bf16[0]["loss"] and all("grad_norm" in m for m in bf16)

@@ -146,9 +146,7 @@ job() {
   local name=$1 rc=0
   shift
   python3 train.py "$@" "hydra.run.dir=$WORK/$name" || rc=$?
-  for f in metrics.jsonl status.json; do
-    [ -f "$WORK/$name/$f" ] && cp "$WORK/$name/$f" "$OUT/gpu_${name}_$f"
-  done
+  [ -f "$WORK/$name/metrics.jsonl" ] && cp "$WORK/$name/metrics.jsonl" "$OUT/gpu_${name}_metrics.jsonl"
   echo "--- $name: status.json"
   cat "$WORK/$name/status.json" 2>/dev/null || echo "(none)"
   echo
@@ -162,7 +160,7 @@ export -f install_wheels versions build_fused_adam gpu_tests job
 main() {
   echo "lmrepo GPU session at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ), budget ${BUDGET}s"
   mkdir -p "$WORK"
-  rm -rf "$WORK/default" "$WORK/gpt2"     # a rerun on a warm machine starts the jobs afresh
+  rm -rf "$WORK"/default "$WORK"/gpt2*     # a rerun on a warm machine starts the jobs afresh
   # The caps and reserves assume (estimates, not yet measured): install ~10 s, versions ~15, the
   # fused_adam build 1-2 min, the tests a few minutes (8 train.py runs, the first tokenizes
   # Shakespeare), each job under a minute.
@@ -171,8 +169,11 @@ main() {
   step fused_adam_build 240 180 build_fused_adam
   step pytest_gpu 330 90 gpu_tests
   step job_default 90 45 job default trainer.max_steps=60 logger=jsonl
-  step job_gpt2 150 0 job gpt2 model=gpt2 data.block_size=1024 trainer.micro_batch_size=8 trainer.max_steps=40 \
-    precision=bf16 logger=jsonl trainer.eval_every=0
+  # GPT-2 124M, bf16, 8 x 1024 tokens: DeepSpeed ZeRO-0 and ZeRO-3 and FSDP2 (zero=stage3), side by side
+  local gpt2="model=gpt2 data.block_size=1024 trainer.micro_batch_size=8 trainer.max_steps=40 precision=bf16"
+  step job_gpt2 90 90 job gpt2 $gpt2 logger=jsonl trainer.eval_every=0
+  step job_gpt2_zero3 90 45 job gpt2_zero3 $gpt2 zero=stage3 logger=jsonl trainer.eval_every=0
+  step job_gpt2_fsdp2 90 0 job gpt2_fsdp2 $gpt2 engine=fsdp2 logger=jsonl trainer.eval_every=0
   echo
   echo "=== summary (${SECONDS}s)"
   printf '  %s\n' "${RESULTS[@]}"
