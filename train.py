@@ -37,10 +37,10 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         refuse(str(err), Path(cfg.run.dir))
     # Importing torch and transformers makes ~600k objects that live as long as the process, and
-    # the cyclic collector ran ~1,000 times over them meanwhile: a fifth of a rank's start (1.1 of
-    # 5.4 CPU-s for a tiny run). Off for the import, then those objects are frozen out of every
-    # later collection (with the ~7 MB of cycles the import left: collecting them costs 0.26 s).
-    # Here, not at the top: a -m sweep's parent never reaches main() and runs for hours.
+    # the cyclic collector runs ~1,000 times over them meanwhile: a fifth of a rank's start
+    # (benchmarks/bench_startup.py). Off for the import, then those objects are frozen out of
+    # every later collection (with the few MB of cycles the import left: collecting them costs
+    # more than keeping them). Here, not at the top: a -m sweep's parent never reaches main().
     gc.disable()
     from lmrepo.plan import plan
 

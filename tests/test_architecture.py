@@ -1,4 +1,4 @@
-"""The shape of the code (README: How the code is laid out): no import cycle between lmrepo's
+"""The shape of the code (docs/architecture.md): no import cycle between lmrepo's
 modules, the library never imports the benchmarks, and lmrepo's own validation has no
 hand-written type checks (the schema's types do that)."""
 

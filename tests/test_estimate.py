@@ -1,6 +1,7 @@
-"""The pre-flight estimator: formulas against hand-computed values and the seed 003 examples, exact
-parameter counts against transformers, model-state memory against the ZeRO paper and DeepSpeed's
-own estimators, and scripts/estimate.py as a user runs it."""
+"""The pre-flight estimator: formulas against hand-computed values and the worked examples of the
+training-performance arithmetic (8TP/(nX)), exact parameter counts against transformers,
+model-state memory against the ZeRO paper and DeepSpeed's own estimators, and
+scripts/estimate.py as a user runs it."""
 
 import importlib.util
 import subprocess
@@ -40,11 +41,12 @@ def test_flops_per_token_gpt2_124m():
     assert executed_flops_per_token(12, 768, 1024, 50257, 6) == pytest.approx(3.5 * layers + 3 * logits, rel=1e-12)
 
 
-def test_seed_003_18b_example():
-    """Seed 003, sec. 4.4: l=40, h=6144, V=50257 and s=1048 (sic) give 18,437,806,080 parameters;
-    batch 512 on 16 GPUs at 32.09 s per iteration is 157.7296879710454 TFLOP/s per GPU, 50.554% of
-    the A100's 312; 300B tokens then take 203 days (rounded). The seed writes T = 300*10e09 and
-    divides by PF*10e12: both are 10x too large and cancel."""
+def test_worked_18b_example():
+    """The training-performance arithmetic's worked example (after Narayanan et al. 2021): l=40,
+    h=6144, V=50257 and s=1048 (sic) give 18,437,806,080 parameters; batch 512 on 16 GPUs at
+    32.09 s per iteration is 157.7296879710454 TFLOP/s per GPU, 50.554% of the A100's 312; 300B
+    tokens then take 203 days (rounded). The example writes T = 300*10e09 and divides by
+    PF*10e12: both are 10x too large and cancel."""
     l, h, V, s = 40, 6144, 50257, 1048
     assert int(estimate.formula_parameters(l, h, V, s)) == 18_437_806_080
     tflops = 512 * s * flops_per_token(l, h, s, V, recompute=True) / 32.09 / 16 / 1e12
@@ -110,7 +112,7 @@ def test_model_states_zero_paper_figure_1():
     psi = 7.5e9
     gb = [estimate.model_state_bytes(psi, stage, 64).gpu / 1e9 for stage in range(4)]
     assert gb == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
-    # Seed 000: stage 1 cuts model states 4x, stage 2 8x (many ranks); stage 3 by the rank count.
+    # The paper's rule: stage 1 cuts model states 4x, stage 2 8x (many ranks); stage 3 by the rank count.
     many = [estimate.model_state_bytes(psi, stage, 10**6).gpu for stage in range(4)]
     assert many[0] / many[1] == pytest.approx(4, rel=1e-4) and many[0] / many[2] == pytest.approx(8, rel=1e-4)
     assert estimate.model_state_bytes(psi, 3, 64).gpu == pytest.approx(16 * psi / 64)

@@ -1,4 +1,4 @@
-"""Never lose work, never hang, never run a stranger's code (issue 17), with real processes:
+"""Never lose work, never hang, never run a stranger's code, with real processes:
 two runs into one run.dir, checkpoints damaged on disk, a pickle with a payload, a NaN at a save
 step, a rank stopped with SIGSTOP, the Slurm pre-emption signal, full disks and unwritable
 directories. Each fault is one `lmrepo: error:` line (or the run's own failure status), nothing

@@ -8,7 +8,7 @@ the command line and `${hydra.job.override_dirname}` (`a=1,b=2`), the original c
 
 LauncherTestSuite and BatchedSweeperTestSuite are not run: they call an in-memory task function
 inside the test process (Hydra's `a_module` with pytest as sys.argv[0]), which a launcher that
-starts a process per job cannot re-run; the README lists each test and why.
+starts a process per job cannot re-run (docs/sweeps.md).
 """
 
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite

@@ -1,4 +1,4 @@
-"""The suite's own measuring tool: `--cpu-report=FILE` (README: Tests) writes one line per test
+"""The suite's own measuring tool: `--cpu-report=FILE` (tests/README.md) writes one line per test
 with its CPU seconds, counting the processes it ran, its wall seconds, its worker and when it
 ended."""
 

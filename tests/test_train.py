@@ -107,7 +107,8 @@ def test_tensorboard_logger_writes_events(tmp_path):
 
 
 def test_user_deepspeed_json_wins_and_is_reported(tmp_path):
-    """Seed 004's ds_config, with bf16 for the CPU: its optimizer, scheduler, ZeRO-2 and micro batch are used."""
+    """The DeepSpeed tutorials' ZeRO-2 ds_config, with bf16 for the CPU: its optimizer, scheduler,
+    ZeRO-2 and micro batch are used."""
     user = {
         "bf16": {"enabled": True},
         "optimizer": {
