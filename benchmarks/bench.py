@@ -1,10 +1,11 @@
 """Benchmarks of lmrepo on this machine, measured side by side in one run and printed as a
-markdown table of ratios (issue 7). Nothing here asserts a time: the ratios are printed next to
-the issue's targets.
+markdown table of ratios. Nothing here asserts a time: the ratios are printed next to their
+targets.
 
     python benchmarks/bench.py          # the default job: gpt2-tiny, precision=auto, ZeRO-0, 1 rank (~10 min, 2 cores)
     python benchmarks/bench.py --quick  # smoke run of every measurement: 2 x 64 model, fp32, 4 steps (~1 min)
     python benchmarks/bench.py model.n_layer=8   # train.py's overrides choose the job (GPT-2 models)
+    python benchmarks/bench.py --save   # also writes benchmarks/results/bench_<machine>_<yyyy-mm>.md and .json
 
 precision=auto trains in bf16 where the CPU computes it natively, else in fp32. --quick is a
 smoke run: it proves every measurement runs and prints sane figures, not how fast the machine is.
@@ -13,9 +14,9 @@ Every arm trains the same model (same preset and seed) on the same batches (the 
 reads, materialized before a bare loop's clock starts) with the ds_config.json train.py wrote, on
 1 rank, for the same number of steps. Other processes on a shared machine swing step times far
 more than the few percent asked about, so the comparisons are paired step by step in one process,
-with the seeds' bare loop as the common ruler:
+with the bare loop of the DeepSpeed tutorials this project grew from as the common ruler:
 
-1. train.py against the seeds' bare DeepSpeed loop (`engine(batch).loss; engine.backward(loss);
+1. train.py against the tutorials' bare DeepSpeed loop (`engine(batch).loss; engine.backward(loss);
    engine.step()`): `lmrepo.loop.fit`, wired as lmrepo.run.train wires it, with a bare step right
    after each of its steps (inside its metrics sink); fit's step is the wall time between its
    consecutive metrics lines (everything the loop does, logging included) less that bare step.
@@ -55,7 +56,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import common  # benchmarks/common.py: this script's folder is first on sys.path; it puts the repository next
-from common import REPO
+from common import REPO, Report, add_save_flag
 from lmrepo.launch import launch_command
 
 PYTHON = sys.executable
@@ -95,6 +96,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--peak-seconds", type=float, help="seconds per matmul-peak measurement (2; quick 0.1)")
     parser.add_argument("--peak-size", type=int, help="n of the n x n matmuls of the peak (2048; quick 512)")
     parser.add_argument("--out", help="directory for runs, logs and results (a new temporary one)")
+    add_save_flag(parser)
     for hidden in ("--worker", "--spec", "--result", "--local_rank"):  # worker processes (and the launcher's flag)
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     return parser.parse_known_args()
@@ -537,7 +539,7 @@ def report(r: dict) -> str:
         extra = statistics.median(a - b for x in fit for a, b in zip(steady(x["times"], w), steady(x["bare_times"], w)))
         low, high = interval([ratios(fit, "times", "bare_times", w)])
         add(
-            f"Issue target train.py / bare <= 1.05: {verdict(ratio, low, high, 1.05)}; train.py's step takes "
+            f"Target train.py / bare <= 1.05: {verdict(ratio, low, high, 1.05)}; train.py's step takes "
             f"{1000 * extra:+.1f} ms more (median of the paired differences). "
             "train.py's step is the wall time between its consecutive metrics lines (logged every step): "
             "data, forward, backward, step, the loss all-reduce, metrics, logging, progress bar."
@@ -585,7 +587,7 @@ def report(r: dict) -> str:
             [ratios(fit, "times", "bare_times", w), ratios(hf, "times", "bare_times", w)], lambda a, b: a / b
         )
         add(
-            f"Issue target: at least as fast (<= 1.0): {verdict(fit_ratio / hf_ratio, low, high, 1.0)}. "
+            f"Target: at least as fast (<= 1.0): {verdict(fit_ratio / hf_ratio, low, high, 1.0)}. "
             "Mean training loss: train.py "
             f"{statistics.fmean(fit[0]['losses']):.4f}, HF Trainer {hf[0]['mean_loss']:.4f}, which is "
             f"{hf[0]['mean_loss'] * s / (s - 1):.4f} x {s}/{s - 1}: the Trainer divides the summed token losses by "
@@ -716,6 +718,7 @@ def main() -> None:
         from lmrepo.errors import exit_error
 
         exit_error(f"unknown option {bad[0]}")
+    saved = Report(__file__)
     bench = Bench(args, overrides)
     started = time.perf_counter()
     results = bench.run()
@@ -723,7 +726,8 @@ def main() -> None:
     (bench.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     text = report(results) + f"\n(bench wall time {results['wall_s']:.0f} s; runs, logs and results in {bench.out})\n"
     (bench.out / "results.md").write_text(text)
-    print(text, flush=True)
+    saved.print(text)
+    saved.save(args.save, results)
     for failure in bench.failures:
         print(f"lmrepo: bench: {failure}", file=sys.stderr)
     raise SystemExit(1 if bench.failures else 0)

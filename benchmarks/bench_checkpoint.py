@@ -1,6 +1,6 @@
 """Checkpoint save and load time and size per ZeRO stage, on real 2-rank runs.
 
-    python benchmarks/bench_checkpoint.py [--models gpt2-tiny gpt2] [--ranks 2]
+    python benchmarks/bench_checkpoint.py [--models gpt2-tiny gpt2] [--ranks 2] [--save]   # ~6 min on 2 cores
     python benchmarks/bench_checkpoint.py --models gpt2-tiny     # the smallest run (~2 min on 2 cores)
 
 Each (model, stage): one step then a save (train.py logs checkpoint_save_s / checkpoint_gb),
@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
 from lmrepo.errors import exit_error
 from lmrepo.launch import launch_command
 
@@ -65,15 +65,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt2-tiny", "gpt2"])
     parser.add_argument("--ranks", type=int, default=2)
+    add_save_flag(parser)
     args = parser.parse_args()
-    print(
-        f"{args.ranks} ranks, {precision(args.models[0], args.ranks)}, AdamW, micro batch 1 x 128 tokens; "
-        "one checkpoint each"
-    )
-    print(
+    report = Report(__file__)
+    dtype = precision(args.models[0], args.ranks)
+    report.print(f"{args.ranks} ranks, {dtype}, AdamW, micro batch 1 x 128 tokens; one checkpoint each.\n")
+    report.print(
         "| model | zero | size (GiB) | save (s) | of which fsync + checksums (s) | load (s) |\n"
         "| --- | --- | --- | --- | --- | --- |"
     )
+    rows = []
     with tempfile.TemporaryDirectory(prefix="lmrepo-bench-ckpt-") as tmp:  # the checkpoints: GBs, not kept
         out = Path(tmp)
         for model in args.models:
@@ -85,13 +86,20 @@ def main() -> None:
                     args.ranks,
                     [f"model={model}", f"zero=stage{stage}", "trainer.max_steps=2", f"run.resume={first}"],
                 )
-                print(
-                    f"| {model} | {stage} | {saved['checkpoint_gb']:.3f} | {saved['checkpoint_save_s']:.2f} | "
-                    f"{saved['checkpoint_sync_s']:.2f} "
-                    f"({saved['checkpoint_sync_s'] / saved['checkpoint_save_s']:.0%}) | "
-                    f"{loaded['checkpoint_load_s']:.2f} |",
-                    flush=True,
+                row = {
+                    "model": model,
+                    "zero": stage,
+                    "gb": saved["checkpoint_gb"],
+                    "save_s": saved["checkpoint_save_s"],
+                    "sync_s": saved["checkpoint_sync_s"],
+                    "load_s": loaded["checkpoint_load_s"],
+                }
+                rows.append(row)
+                report.print(
+                    f"| {model} | {stage} | {row['gb']:.3f} | {row['save_s']:.2f} | {row['sync_s']:.2f} "
+                    f"({row['sync_s'] / row['save_s']:.0%}) | {row['load_s']:.2f} |"
                 )
+    report.save(args.save, {"ranks": args.ranks, "precision": dtype, "runs": rows})
 
 
 if __name__ == "__main__":

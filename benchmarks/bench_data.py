@@ -1,20 +1,22 @@
-"""Data-pipeline benchmark: the figures of issue 3, each side by side in one run, printed as ratios.
+"""Data-pipeline benchmark: preparation speed, padding, data wait and preparation memory, each
+side by side in one run, printed as ratios.
 
     python benchmarks/bench_data.py          # the default corpus, 3 rounds, 20 training steps (~5 min on 2 cores)
     python benchmarks/bench_data.py --quick  # smoke run: 2 plays, 1 round, 2 steps of a 2 x 64 model in fp32 (<1 min)
+    python benchmarks/bench_data.py --save   # also writes benchmarks/results/bench_data_<machine>_<yyyy-mm>.md
 
 1. Preparation: lmrepo's prepare() (tokenize once with datasets.map, pack, memmap) against the
-   seeds' approach on the same text with the same GPT-2 tokenizer (the Rust one: transformers
-   5's GPT2Tokenizer). Seed 000 (and 001) call
+   approach of the DeepSpeed tutorials this project grew from, on the same text with the same
+   GPT-2 tokenizer (the Rust one: transformers 5's GPT2Tokenizer). The tutorials call
    `tokenizer(batch, padding=True, truncation=True, max_length=1024)` on every DataLoader batch
    of 8 samples, a sample being one SQuAD context (a paragraph); here a sample is a paragraph
    (blank-line separated) of the Shakespeare plays. Both sides count the tokens the tokenizer
-   produced (the seeds' pad tokens not included) per second of wall time, the best of 3
+   produced (the tutorials' pad tokens not included) per second of wall time, the best of 3
    alternating rounds (a shared machine slows some runs), and per CPU-second (all threads and
    worker processes: what the work costs, whatever else runs); and the tokenizer alone, one call
    on the whole documents, whose cost per token no preparation can go below. Then: the rate at
    which training reads lmrepo's token file (LMData.train_step), the ratio over several epochs
-   (the seeds tokenize every epoch, lmrepo once), and the seeds' padding waste (lmrepo: 0%).
+   (the tutorials tokenize every epoch, lmrepo once), and the tutorials' padding waste (lmrepo: 0%).
 2. Data wait: the share of a training step of the default job (gpt2-tiny, precision=auto: bf16
    where the CPU computes it natively, else fp32; micro batch 8 of 128 tokens, the real
    DeepSpeed engine in this process, one rank) spent in LMData.train_step. --quick times a
@@ -39,9 +41,11 @@ from pathlib import Path
 
 import psutil
 
+from common import Report, add_save_flag  # benchmarks/common.py, first on sys.path
 from lmrepo.compose import compose_config
 
-SEED_BATCH, SEED_MAX_LENGTH = 8, 1024  # seed 000: DataLoader(batch_size=8), tokenizer(max_length=1024)
+# The tutorials' data loop: DataLoader(batch_size=8), tokenizer(..., max_length=1024) per batch.
+TUTORIAL_BATCH, TUTORIAL_MAX_LENGTH = 8, 1024
 # The smoke run's training job: a tiny model in fp32 (a CPU without native bf16 computes bf16 matmuls ~70x slower).
 QUICK_JOB = [
     "model.n_layer=2",
@@ -155,21 +159,25 @@ def write_corpus(plays: list[str], directory: Path, copies: int) -> int:
     return sum(f.stat().st_size for f in directory.iterdir())
 
 
-def seeds_tokenize(tokenizer, corpus: Path) -> dict:
-    """The seeds' loop body without the model: tokenize and pad each batch of 8 samples."""
+def tutorial_tokenize(tokenizer, corpus: Path) -> dict:
+    """The tutorials' loop body without the model: tokenize and pad each batch of 8 samples."""
     texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
     samples = [p for t in texts for p in re.split(r"\n\s*\n", t) if p.strip()]
-    tokenizer.pad_token = tokenizer.eos_token  # as seed 000 does
+    tokenizer.pad_token = tokenizer.eos_token  # as the tutorials do
     real = padded = at_cap = 0
     start, cpu = time.perf_counter(), time.process_time()
-    for i in range(0, len(samples), SEED_BATCH):
+    for i in range(0, len(samples), TUTORIAL_BATCH):
         batch = tokenizer(
-            samples[i : i + SEED_BATCH], return_tensors="pt", truncation=True, padding=True, max_length=SEED_MAX_LENGTH
+            samples[i : i + TUTORIAL_BATCH],
+            return_tensors="pt",
+            truncation=True,
+            padding=True,
+            max_length=TUTORIAL_MAX_LENGTH,
         )
         lengths = batch["attention_mask"].sum(dim=1)
         real += int(lengths.sum())
         padded += batch["input_ids"].numel()
-        at_cap += int((lengths == SEED_MAX_LENGTH).sum())
+        at_cap += int((lengths == TUTORIAL_MAX_LENGTH).sum())
     return {
         "seconds": time.perf_counter() - start,
         "cpu_s": time.process_time() - cpu,
@@ -187,7 +195,7 @@ def tokenizer_alone(tokenizer, corpus: Path) -> dict:
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    backend.no_padding()  # seeds_tokenize's padding stays on the tokenizer
+    backend.no_padding()  # tutorial_tokenize's padding stays on the tokenizer
     backend.no_truncation()
     texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
     start, cpu = time.perf_counter(), time.process_time()
@@ -245,7 +253,7 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
     job = plan(compose_config([*overrides, "logger=none"]), 1)
     config, ds_config = job.config, job.ds_config
     init_distributed()
-    engine = build_engine(config, ds_config).ds  # DeepSpeed's engine, stepped as the seeds step it
+    engine = build_engine(config, ds_config).ds  # DeepSpeed's engine, stepped as the tutorials step it
     data = LMData(
         token_dir,
         config.data.block_size,
@@ -291,6 +299,7 @@ def main() -> None:
     parser.add_argument(
         "--prepare-child", nargs=3, metavar=("CORPUS", "CACHE", "SAMPLE_MEMORY"), help=argparse.SUPPRESS
     )
+    add_save_flag(parser)
     args = parser.parse_args()
     if args.prepare_child:
         corpus, cache, sample_memory = args.prepare_child
@@ -301,89 +310,80 @@ def main() -> None:
     from lmrepo.data.prepare import prepare
     from lmrepo.tokenizer import load_tokenizer
 
+    report = Report(__file__)
     plays = shakespeare_files()[:2] if args.quick else shakespeare_files()
     steps = 2 if args.quick else 20
     with tempfile.TemporaryDirectory(prefix="lmrepo-bench-data-") as tmp:
         tmp = Path(tmp)
         one, ten = tmp / "x1", tmp / "x10"
         size1, size10 = write_corpus(plays, one, 1), write_corpus(plays, ten, 10)
-        print(
-            f"corpus: {len(plays)} Shakespeare plays ({size1 / 1e6:.1f} MB; the default data=shakespeare"
+        report.print(
+            f"Corpus: {len(plays)} Shakespeare plays ({size1 / 1e6:.1f} MB; the default data=shakespeare"
             f"{' is all 42' if args.quick else ''}), GPT-2 tokenizer, "
-            f"{os.cpu_count()} CPU cores (shared with whatever else runs)",
-            flush=True,
+            f"{os.cpu_count()} CPU cores (shared with whatever else runs)."
         )
 
-        # 1. preparation against the seeds' approach on the same text, alternating
+        # 1. preparation against the tutorials' approach on the same text, alternating
         tokenizer = load_tokenizer("gpt2")
         rounds = [
-            (run_prepare(one, tmp / "cache1"), seeds_tokenize(tokenizer, one), tokenizer_alone(tokenizer, one))
+            (run_prepare(one, tmp / "cache1"), tutorial_tokenize(tokenizer, one), tokenizer_alone(tokenizer, one))
             for _ in range(1 if args.quick else 3)
         ]
-        (prepared, seeds, alone), (ours_cpu, seeds_cpu, alone_cpu) = zip(
+        (prepared, tutorial, alone), (ours_cpu, tutorial_cpu, alone_cpu) = zip(
             *[
                 (max(runs, key=lambda r: r["tokens"] / r["seconds"]), max(r["tokens"] / r["cpu_s"] for r in runs))
                 for runs in zip(*rounds)
             ]
         )
-        ours_rate, seeds_rate = prepared["tokens"] / prepared["seconds"], seeds["tokens"] / seeds["seconds"]
+        ours_rate, tutorial_rate = prepared["tokens"] / prepared["seconds"], tutorial["tokens"] / tutorial["seconds"]
         alone_rate = alone["tokens"] / alone["seconds"]
         token_dir = prepare(
             compose_config(text_overrides(one, tmp / "cache1")).data, tokenizer
         )  # the last round's, reused
         supply = supply_rate(token_dir, tokenizer)
-        waste = 1 - seeds["tokens"] / seeds["padded"]
-        print(
-            f"1. preparation: tokens the tokenizer produced (the seeds' pad tokens not counted), best of {len(rounds)} "
-            "alternating rounds"
+        waste = 1 - tutorial["tokens"] / tutorial["padded"]
+        report.print(
+            "\n## 1. Preparation\n\nTokens the tokenizer produced (the tutorials' pad tokens not counted), "
+            f"best of {len(rounds)} alternating rounds. The tutorials' sample unit here: a paragraph (theirs: a "
+            f"SQuAD context), {tutorial['samples']:,} of them, {tutorial['mean_sample']:.0f} tokens on average; "
+            f"batches of {TUTORIAL_BATCH}, padding=True, truncation at {TUTORIAL_MAX_LENGTH} "
+            f"({tutorial['at_cap']} samples reach it).\n"
         )
-        print(
-            f"   seeds' sample unit: a paragraph (seed 000: a SQuAD context), {seeds['samples']:,} of them, "
-            f"{seeds['mean_sample']:.0f} tokens on average; batches of {SEED_BATCH}, padding=True, "
-            f"truncation at {SEED_MAX_LENGTH} ({seeds['at_cap']} samples reach it)"
-        )
-        for name, run, rate, per_cpu, note in (
+        report.print("| preparation | tokens/s | tokens/CPU-s | tokens | seconds | cores busy |")
+        report.print("| --- | --- | --- | --- | --- | --- |")
+        for name, run, rate, per_cpu in (
             (
-                "lmrepo prepare, once (datasets.map, num_proc=2)",
+                "lmrepo prepare, once (datasets.map, num_proc=2; loading and writing included)",
                 prepared,
                 ours_rate,
                 ours_cpu,
-                ", loading and writing included",
             ),
-            ("seeds, tokenize + pad every batch, every epoch", seeds, seeds_rate, seeds_cpu, ""),
-            ("the Rust tokenizer alone, one call, no datasets", alone, alone_rate, alone_cpu, ""),
+            ("the tutorials, tokenize + pad every batch, every epoch", tutorial, tutorial_rate, tutorial_cpu),
+            ("the Rust tokenizer alone, one call, no datasets", alone, alone_rate, alone_cpu),
         ):
-            print(
-                f"   {name}: {rate:10,.0f} tokens/s {per_cpu:10,.0f} tokens/CPU-s ({run['tokens']:,} tokens in "
-                f"{run['seconds']:.1f} s, {run['cpu_s'] / run['seconds']:.1f} cores busy{note})"
+            report.print(
+                f"| {name} | {rate:,.0f} | {per_cpu:,.0f} | {run['tokens']:,} | {run['seconds']:.1f} | "
+                f"{run['cpu_s'] / run['seconds']:.1f} |"
             )
         # No preparation with this tokenizer costs less CPU per token than the tokenizer alone; with all
-        # cores busy against the seeds' measured share, that bounds the one-pass ratio.
-        bound = alone_cpu / seeds_cpu * os.cpu_count() / (seeds["cpu_s"] / seeds["seconds"])
-        print(
-            f"   ratio prepare / seeds, one pass:        {ours_rate / seeds_rate:8.2f}x   (tokens per wall second; "
-            "issue asks >= 5x)"
-        )
-        print(
-            f"   ratio prepare / seeds, per CPU-second:  {ours_cpu / seeds_cpu:8.2f}x   (what a token costs, "
-            "whatever else runs)"
-        )
-        print(
-            f"   ratio tokenizer alone / seeds, per CPU-second: {alone_cpu / seeds_cpu:.2f}x   "
-            "(the floor of a token's cost; "
-            f"with all {os.cpu_count()} cores against the seeds' share, one pass stays below {bound:.1f}x)"
-        )
-        print(f"   lmrepo training reads from the token file: {supply:12,.0f} tokens/s (LMData.train_step)")
-        print(
-            f"   ratio train_step supply / seeds:        {supply / seeds_rate:8.0f}x   (per epoch after the first, "
-            "and per run after the first: the seeds tokenize again)"
-        )
-        epochs = " ".join(f"{e} epochs {e / seeds_rate / (1 / ours_rate + e / supply):.2f}x;" for e in (1, 3, 10))
-        print(f"   ratio over E epochs (seeds: E tokenizations; lmrepo: one preparation + E reads): {epochs[:-1]}")
-        print(
-            f"   padding waste: seeds {waste:.1%} of the tokens in their batches "
-            f"({seeds['padded'] - seeds['tokens']:,} pad tokens); lmrepo 0.0% (packed blocks)",
-            flush=True,
+        # cores busy against the tutorials' measured share, that bounds the one-pass ratio.
+        bound = alone_cpu / tutorial_cpu * os.cpu_count() / (tutorial["cpu_s"] / tutorial["seconds"])
+        epochs = {e: e / tutorial_rate / (1 / ours_rate + e / supply) for e in (1, 3, 10)}
+        report.print(
+            f"\n- ratio prepare / tutorials, one pass: **{ours_rate / tutorial_rate:.2f}x** (tokens per wall second; "
+            "target >= 5x)\n"
+            f"- ratio prepare / tutorials, per CPU-second: {ours_cpu / tutorial_cpu:.2f}x (what a token costs, "
+            "whatever else runs)\n"
+            f"- ratio tokenizer alone / tutorials, per CPU-second: {alone_cpu / tutorial_cpu:.2f}x (the floor of a "
+            f"token's cost; with all {os.cpu_count()} cores against the tutorials' share, one pass stays below "
+            f"{bound:.1f}x)\n"
+            f"- lmrepo training reads from the token file: {supply:,.0f} tokens/s (LMData.train_step)\n"
+            f"- ratio train_step supply / tutorials: {supply / tutorial_rate:.0f}x (per epoch after the first, "
+            "and per run after the first: the tutorials tokenize again)\n"
+            "- ratio over E epochs (tutorials: E tokenizations; lmrepo: one preparation + E reads): "
+            + "; ".join(f"{e} epochs {ratio:.2f}x" for e, ratio in epochs.items())
+            + f"\n- padding waste: the tutorials' {waste:.1%} of the tokens in their batches "
+            f"({tutorial['padded'] - tutorial['tokens']:,} pad tokens); lmrepo 0.0% (packed blocks)"
         )
 
         # 2. data wait in the default job
@@ -391,16 +391,12 @@ def main() -> None:
         wait = data_wait(
             token_dir, tokenizer, steps, warmup=1 if args.quick else 2, overrides=QUICK_JOB if args.quick else []
         )
-        job = f"the smoke run's job ({' '.join(wait['overrides'])})" if wait["overrides"] else "default job"
-        print(
-            f"2. data wait, {job} ({wait['model']}, {wait['precision']}, micro batch {wait['micro']} x "
-            f"{wait['block']} tokens, {wait['device']}, 1 rank, {wait['steps']} steps): "
-            f"step {wait['step_s'] * 1e3:.0f} ms, "
-            f"train_step {wait['data_s'] * 1e3:.2f} ms"
-        )
-        print(
-            f"   fraction of a step waiting for data:    {wait['data_s'] / wait['step_s']:8.3%}   (issue asks < 1%)",
-            flush=True,
+        job = f"the smoke run's job ({' '.join(wait['overrides'])})" if wait["overrides"] else "the default job"
+        report.print(
+            f"\n## 2. Data wait\n\n{job.capitalize()} ({wait['model']}, {wait['precision']}, micro batch "
+            f"{wait['micro']} x {wait['block']} tokens, {wait['device']}, 1 rank, {wait['steps']} steps): "
+            f"step {wait['step_s'] * 1e3:.0f} ms, train_step {wait['data_s'] * 1e3:.2f} ms.\n\n"
+            f"- fraction of a step waiting for data: **{wait['data_s'] / wait['step_s']:.3%}** (target < 1%)"
         )
 
         # 3. peak memory, x1 and x10
@@ -408,20 +404,36 @@ def main() -> None:
             run_prepare(one, tmp / "cache1", sample_memory=True),
             run_prepare(ten, tmp / "cache10", sample_memory=True),
         )
-        print(
-            "3. peak memory of preparation "
-            "(a fresh process each, with its datasets.map workers; PSS sampled every 50 ms)"
+        report.print(
+            "\n## 3. Peak memory of preparation\n\nA fresh process each, with its datasets.map workers; PSS "
+            "sampled every 50 ms.\n\n"
+            "| corpus | MB of text | tokens | MB anonymous | of which main process | MB with mapped files |\n"
+            "| --- | --- | --- | --- | --- | --- |"
         )
-        for name, size, run in (("x1 ", size1, single), ("x10", size10, tenfold)):
-            print(
-                f"   {name} {size / 1e6:6.1f} MB of text, {run['tokens']:>12,} tokens: "
-                f"{run['anon_mb']:6.0f} MB anonymous "
-                f"(main process {run['main_anon_mb']:.0f} MB); {run['pss_mb']:6.0f} MB with mapped files"
+        for name, size, run in (("x1", size1, single), ("x10", size10, tenfold)):
+            report.print(
+                f"| {name} | {size / 1e6:.1f} | {run['tokens']:,} | {run['anon_mb']:.0f} | "
+                f"{run['main_anon_mb']:.0f} | {run['pss_mb']:.0f} |"
             )
-        print(
-            f"   ratio x10 / x1 peak memory:             {tenfold['anon_mb'] / single['anon_mb']:8.2f}x   "
+        report.print(
+            f"\n- ratio x10 / x1 peak memory: **{tenfold['anon_mb'] / single['anon_mb']:.2f}x** "
             f"(anonymous; {tenfold['pss_mb'] / single['pss_mb']:.2f}x with mapped files; flat ~1, not ~10)"
         )
+    report.save(
+        args.save,
+        {
+            "quick": args.quick,
+            "plays": len(plays),
+            "rounds": [dict(zip(("prepare", "tutorial", "tokenizer_alone"), r)) for r in rounds],
+            "tokens_per_s": {"prepare": ours_rate, "tutorial": tutorial_rate, "tokenizer_alone": alone_rate},
+            "tokens_per_cpu_s": {"prepare": ours_cpu, "tutorial": tutorial_cpu, "tokenizer_alone": alone_cpu},
+            "train_step_supply_tokens_per_s": supply,
+            "ratio_over_epochs": epochs,
+            "tutorial_padding_waste": waste,
+            "data_wait": wait,
+            "peak_memory": {"x1": {"text_mb": size1 / 1e6, **single}, "x10": {"text_mb": size10 / 1e6, **tenfold}},
+        },
+    )
 
 
 if __name__ == "__main__":

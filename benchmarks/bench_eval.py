@@ -1,8 +1,9 @@
 """Downstream evaluation, measured: lmrepo's lm-eval wrapper against the harness's own `hf` model
 (HFLM) on the same weights and requests, and the in-loop evaluation's share of a training run.
 
-    python benchmarks/bench_eval.py              # the default job (300 steps) with eval.tasks=[shakespeare] (~9 min)
+    python benchmarks/bench_eval.py              # the default job (300 steps) with eval.tasks=[shakespeare] (~9-11 min)
     python benchmarks/bench_eval.py --quick      # 30 steps, limit 64: a smoke run (~2 min)
+    python benchmarks/bench_eval.py --save       # also writes benchmarks/results/bench_eval_<machine>_<yyyy-mm>.md
 
 1. train.py at its defaults plus `eval.tasks=[shakespeare]` (lmrepo's four local tasks, every
    document, at eval.every/limit/batch_size's defaults: once, at the end): the evaluation's
@@ -22,7 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, machine  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import (
+    REPO,
+    Report,
+    add_save_flag,
+    machine,
+)  # benchmarks/common.py, first on sys.path: puts the repository on it
 from lmrepo.errors import exit_error
 
 TYPES = {
@@ -128,40 +134,44 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="30 steps, limit 64, 2 rounds")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    add_save_flag(parser)
     args = parser.parse_args()
+    report = Report(__file__)
     if args.quick:
         args.steps, args.limit, args.rounds = 30, 64, 2
     with tempfile.TemporaryDirectory(prefix="bench_eval-") as tmp:
         run_dir = Path(tmp) / "run"
         in_loop = train(run_dir, args.steps)
         side_by_side = compare(run_dir, args.limit, args.rounds, args.batch_size)
-    report = {
+    figures = {
         "machine": machine(),
         "in_loop": in_loop,
         "side_by_side": side_by_side,
         "limit": args.limit,
         "batch_size": args.batch_size,
     }
-    print(
-        f"in-loop evaluation, train.py defaults + eval.tasks=[shakespeare], {args.steps} steps: "
-        f"{in_loop['downstream_s']:.1f} s of {in_loop['wall_s']:.1f} s wall = {in_loop['share']:.1%}"
+    report.print(
+        f"In-loop evaluation, train.py defaults + eval.tasks=[shakespeare], {args.steps} steps: "
+        f"{in_loop['downstream_s']:.1f} s of {in_loop['wall_s']:.1f} s wall = {in_loop['share']:.1%}."
     )
-    print(
-        f"\nside by side, {args.limit} documents per task, batch size {args.batch_size}, best of {args.rounds} rounds:"
+    report.print(
+        f"\nSide by side, {args.limit} documents per task, batch size {args.batch_size}, "
+        f"best of {args.rounds} rounds:\n"
     )
-    print(
+    report.print(
         "| request type | requests | lmrepo req/s | HFLM req/s | lmrepo / HFLM | max abs log-lik diff | same "
         "greedy answers |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    report.print("| --- | --- | --- | --- | --- | --- | --- |")
     for kind, row in side_by_side.items():
         diff = "-" if row["max_abs_dll"] is None else f"{row['max_abs_dll']:.2e}"
-        print(
+        report.print(
             f"| {kind} | {row['requests']} | {row['lmrepo_rps']:.1f} | {row['hf_rps']:.1f} | {row['ratio']:.3f} | "
             f"{diff} | {row['same']} |"
         )
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps(figures, indent=2))
+    report.save(args.save, figures)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,12 @@ def run_arm(overrides: list[str], steps: int, workdir: Path) -> dict:
 def estimate_gib(model: list[str], arm: list[str]) -> float:
     """scripts/estimate.py's model-state memory per rank (fp32, 2 ranks) for the arm's layout."""
     from lmrepo.compose import load_config
-    from lmrepo.estimate import count_parameters, meta_model, model_state_bytes
+    from lmrepo.estimate import count_parameters, fsdp2_state_bytes, meta_model, model_state_bytes
 
     config = load_config([*model, *arm, "precision=fp32"])
     params = count_parameters(meta_model(config.model))
+    if config.engine.name == "fsdp2":
+        return fsdp2_state_bytes(params, 2, "fp32", keep_gathered=config.zero.stage == 2).gpu / 2**30
     return model_state_bytes(params, stage=config.zero.stage, dp=2, dtype="fp32").gpu / 2**30
 
 
@@ -148,7 +150,7 @@ def main() -> None:
     report.print(
         "Peak RSS counts everything a rank holds (torch, its libraries, the data, activations), not only the "
         "sharded states; the estimate is the model states alone (parameters, gradients, optimizer states) as "
-        "the ZeRO stage divides them, which FSDP2 at the same stage divides alike."
+        "scripts/estimate.py counts them for each engine (FSDP2 at zero=stage2 with the whole model gathered)."
     )
     report.save(args.save, figures)
 

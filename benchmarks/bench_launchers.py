@@ -1,7 +1,7 @@
 """The same 2-rank run started by DeepSpeed's launcher and by torchrun, side by side in one run:
 what each launcher adds around the ranks, in wall time and CPU time.
 
-    python benchmarks/bench_launchers.py [--rounds 3] [--ranks 2] [--out DIR]
+    python benchmarks/bench_launchers.py [--rounds 3] [--ranks 2] [--out DIR] [--save]   # ~2 min on 2 cores
 
 Each arm is a tiny GPT-2 (2 layers, 64 wide, 32-token blocks, fp32, 6 steps) on --ranks CPU
 ranks; the arms alternate for --rounds rounds. Wall: from the launcher's start to its exit. CPU:
@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import REPO, run_measured  # benchmarks/common.py
+from common import REPO, Report, add_save_flag, run_measured  # benchmarks/common.py
 from lmrepo.launch import launch_command
 
 TINY = [
@@ -47,7 +47,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    add_save_flag(parser)
     args = parser.parse_args()
+    report = Report(__file__)
     out = args.out or Path(tempfile.mkdtemp(prefix="lmrepo-bench-launchers-"))
     out.mkdir(parents=True, exist_ok=True)
     arms = {"deepspeed": [], "torchrun": []}
@@ -55,16 +57,27 @@ def main() -> None:
     for r in range(args.rounds):
         for launcher in arms if r % 2 == 0 else reversed(arms):
             arms[launcher].append(run(launcher, args.ranks, out / f"{launcher}{r}"))
-    print(f"A {args.ranks}-rank TINY run (6 steps), {args.rounds} launches per launcher, alternating; medians.\n")
-    print("| launcher | wall s | CPU s |\n| --- | --- | --- |")
+    report.print(
+        f"A {args.ranks}-rank TINY run (6 steps), {args.rounds} launches per launcher, alternating; medians.\n"
+    )
+    report.print("| launcher | wall s | CPU s |\n| --- | --- | --- |")
     medians = {}
     for launcher, runs in arms.items():
         medians[launcher] = [statistics.median(x) for x in zip(*runs)]
-        print(f"| {launcher} | {medians[launcher][0]:.2f} | {medians[launcher][1]:.2f} |")
+        report.print(f"| {launcher} | {medians[launcher][0]:.2f} | {medians[launcher][1]:.2f} |")
     (ds_wall, ds_cpu), (tr_wall, tr_cpu) = medians["deepspeed"], medians["torchrun"]
-    print(
+    report.print(
         f"\ndeepspeed / torchrun: wall {ds_wall / tr_wall:.2f}x (+{ds_wall - tr_wall:.2f} s), "
         f"CPU {ds_cpu / tr_cpu:.2f}x (+{ds_cpu - tr_cpu:.2f} s) per launch"
+    )
+    report.save(
+        args.save,
+        {
+            "ranks": args.ranks,
+            "rounds": args.rounds,
+            "launches": {k: [{"wall_s": w, "cpu_s": c} for w, c in runs] for k, runs in arms.items()},
+            "median": {k: {"wall_s": w, "cpu_s": c} for k, (w, c) in medians.items()},
+        },
     )
 
 

@@ -3,7 +3,7 @@ DeepSpeed's own compile (c++, its -O3 -g flags), the test session's compiler
 (tests/tools/g++-for-tests: no debug information, torch/extension.h precompiled once for an op
 of many sources) and that compiler without the precompiled header (LMREPO_TEST_PCH=0).
 
-    python benchmarks/bench_op_build.py [--op async_io] [--rounds 1] [--out DIR]
+    python benchmarks/bench_op_build.py [--op async_io] [--rounds 1] [--out DIR] [--save]   # ~7 min on 2 cores
 
 Each build starts in an empty TORCH_EXTENSIONS_DIR; the arms alternate for --rounds rounds. Wall:
 the building process from start to exit (ninja runs as many compiles as the machine has cores,
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, run_measured  # benchmarks/common.py
+from common import REPO, Report, add_save_flag, run_measured  # benchmarks/common.py
 
 BUILDERS = {
     "async_io": "AsyncIOBuilder",
@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--op", choices=sorted(BUILDERS), default="async_io")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
+    add_save_flag(parser)
     args = parser.parse_args()
+    report = Report(__file__, device="cpu")
     out = args.out or Path(tempfile.mkdtemp(prefix="lmrepo-bench-op-build-"))
     out.mkdir(parents=True, exist_ok=True)
     builds = {name: [] for name in ARMS}
@@ -58,18 +60,27 @@ def main() -> None:
             run_dir = out / f"round{r}-arm{i}"
             run_dir.mkdir()
             builds[name].append(build(args.op, ARMS[name], run_dir))
-    print(f"DeepSpeed's {args.op} op built from nothing, {args.rounds} build(s) per compiler; medians.\n")
-    print("| compiler | wall s | CPU s |\n| --- | --- | --- |")
+    report.print(f"DeepSpeed's {args.op} op built from nothing, {args.rounds} build(s) per compiler; medians.\n")
+    report.print("| compiler | wall s | CPU s |\n| --- | --- | --- |")
     medians = {name: [statistics.median(x) for x in zip(*runs)] for name, runs in builds.items()}
     for name, (wall, cpu) in medians.items():
-        print(f"| {name} | {wall:.1f} | {cpu:.1f} |")
+        report.print(f"| {name} | {wall:.1f} | {cpu:.1f} |")
     ds_wall, ds_cpu = medians["deepspeed (c++)"]
-    print()
+    report.print("")
     for name, (wall, cpu) in list(medians.items())[1:]:
-        print(
-            f"{name} / deepspeed: wall {wall / ds_wall:.2f}x ({wall - ds_wall:+.1f} s), "
+        report.print(
+            f"- {name} / deepspeed: wall {wall / ds_wall:.2f}x ({wall - ds_wall:+.1f} s), "
             f"CPU {cpu / ds_cpu:.2f}x ({cpu - ds_cpu:+.1f} s)"
         )
+    report.save(
+        args.save,
+        {
+            "op": args.op,
+            "rounds": args.rounds,
+            "builds": {name: [{"wall_s": w, "cpu_s": c} for w, c in runs] for name, runs in builds.items()},
+            "median": {name: {"wall_s": w, "cpu_s": c} for name, (w, c) in medians.items()},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Pipeline schedules side by side on 2 CPU ranks (issue 4): step time, measured bubble against
-seed 001's theory, and activations held for backward per stage (GPipe against 1F1B).
+"""Pipeline schedules side by side on 2 CPU ranks: step time, measured bubble against the
+schedules' theory, and activations held for backward per stage (GPipe against 1F1B).
 
     python benchmarks/bench_pipeline.py          # GPT-2 8x128, vocab 2048, 64 tokens x 4 per micro-batch (~3 min)
+    python benchmarks/bench_pipeline.py --steps 12 --save   # more timed steps; writes benchmarks/results/
     python benchmarks/bench_pipeline.py --quick  # smoke run: 4 layers, m = 2 and 4, 1 + 2 steps (<1 min)
     python benchmarks/bench_pipeline.py model.n_embd=256     # train.py's overrides change the model
 
@@ -26,15 +27,17 @@ Each rank runs one torch thread (2 ranks on 2 cores). Nothing here asserts a tim
 """
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
 
-from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
 
 SCHEDULES = ["1f1b", "gpipe", "1f1b_torch", "interleaved"]
 MICRO_BATCHES, QUICK_MICRO_BATCHES = [2, 4, 8], [2, 4]
@@ -61,7 +64,9 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--quick", action="store_true", help="small model, few steps: a smoke run")
     parser.add_argument("--steps", type=int, help="timed steps per schedule and m (8; quick 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (2; quick 1)")
+    add_save_flag(parser)
     parser.add_argument("--local_rank", help=argparse.SUPPRESS)  # the deepspeed launcher's flag
+    parser.add_argument("--rows", help=argparse.SUPPRESS)  # where rank 0 writes the table and its rows
     return parser.parse_known_args()
 
 
@@ -263,11 +268,12 @@ def run_worker(args, overrides: list[str]) -> None:
                 rows.append(measure(schedule, m, model, steps, warmup))
                 if dist.get_rank() == 0:
                     r = rows[-1]
-                    print(f"bench: {schedule} m={m}: step {r['step'] * 1e3:.0f} ms", flush=True)
+                    print(f"bench: {schedule} m={m}: step {r['step'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
     finally:
         release_shm_buffer()
     if dist.get_rank() == 0:
-        print(report(rows, model, (load, os.getloadavg()[0])))
+        text = report(rows, model, (load, os.getloadavg()[0]))
+        Path(args.rows).write_text(json.dumps({"text": text, "rows": rows, "model": model}))
     dist.destroy_process_group()
 
 
@@ -319,9 +325,17 @@ def main() -> None:
         return
     from lmrepo.launch import launch_command
 
+    saved = Report(__file__)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [*launch_command(2), str(Path(__file__).resolve()), *sys.argv[1:]]
-    raise SystemExit(subprocess.run(cmd, cwd=REPO, env=env).returncode)
+    with tempfile.TemporaryDirectory(prefix="lmrepo-bench-pipeline-") as tmp:
+        rows = Path(tmp) / "rows.json"
+        cmd = [*launch_command(2), str(Path(__file__).resolve()), *sys.argv[1:], "--rows", str(rows)]
+        code = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        if code:
+            raise SystemExit(code)
+        result = json.loads(rows.read_text())
+    saved.print(result.pop("text"))
+    saved.save(args.save, result)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@
    gc.disable/gc.freeze and cpuinfo_cache.install made no-ops) and after: the CPU seconds of the
    process and the seconds from its start to its first step.
 
-    python benchmarks/bench_startup.py [--rounds 3]
+Also what the collector has to walk: how often it runs during the import, and the objects the
+import leaves behind.
+
+    python benchmarks/bench_startup.py [--rounds 3] [--save]   # ~2.5 min on 2 cores
 
 CPU seconds are the child's own (getrusage), so the figures hold on a busy machine too.
 """
@@ -24,12 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
 
 IMPORTS = {
     "collector on (Python's default)": "import lmrepo.run",
     "off, then frozen (train.py)": "import gc; gc.disable(); import lmrepo.run; gc.freeze(); gc.enable()",
 }
+COUNT_COLLECTIONS = (
+    "import gc; import lmrepo.run\nprint(sum(s['collections'] for s in gc.get_stats()), len(gc.get_objects()))"
+)
 ASKS = {
     "py-cpuinfo (DeepSpeed's ask)": "import cpuinfo; cpuinfo.get_cpu_info()",
     "lmrepo.cpuinfo_cache (kept)": "from lmrepo import cpuinfo_cache; cpuinfo_cache.install(); "
@@ -87,32 +93,46 @@ def side_by_side(arms: dict[str, list[str]], rounds: int, env: dict, after_each=
     return seen
 
 
-def print_pair(title: str, seen: dict, columns: str = "CPU s") -> None:
-    print(f"\n## {title}\n")
+def pair_table(report: Report, title: str, seen: dict, unit: str = "CPU s") -> dict:
+    """Prints the arms' medians, each round's figure and the second arm's ratio to the first;
+    returns the medians."""
+    report.print(f"\n## {title}\n")
+    report.print(f"| arm | median {unit} | rounds |\n| --- | --- | --- |")
     medians = {name: statistics.median(c for c, *_ in rows) for name, rows in seen.items()}
     for name, rows in seen.items():
-        print(f"  {name:<34} {medians[name]:7.2f} {columns}   (rounds: {', '.join(f'{c:.2f}' for c, *_ in rows)})")
+        report.print(f"| {name} | {medians[name]:.2f} | {', '.join(f'{c:.2f}' for c, *_ in rows)} |")
     first, second = medians.values()
-    print(f"  ratio {second / first:.2f} ({first - second:+.2f} {columns} a process)")
+    report.print(f"\nRatio {second / first:.2f} ({first - second:+.2f} {unit} a process).")
+    return medians
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    add_save_flag(parser)
     args = parser.parse_args()
+    report = Report(__file__)
+    figures = {"rounds": args.rounds}
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "LMREPO_CACHE": tmp, "PYTHONPATH": str(REPO)}
-        print_pair(
-            "1. Importing torch, transformers and lmrepo.run",
-            side_by_side({k: ["-c", v] for k, v in IMPORTS.items()}, args.rounds, env),
+        imports = side_by_side({k: ["-c", v] for k, v in IMPORTS.items()}, args.rounds, env)
+        figures["imports_cpu_s"] = pair_table(report, "1. Importing torch, transformers and lmrepo.run", imports)
+        collections, objects = map(int, cpu_seconds(["-c", COUNT_COLLECTIONS], env)[2].split()[-2:])
+        figures.update(collections_during_import=collections, objects_after_import=objects)
+        report.print(
+            f"\nWith the collector on, it runs {collections:,} times during that import, over a heap that ends "
+            f"with {objects:,} tracked objects."
         )
         cpu_seconds(["-c", ASKS["lmrepo.cpuinfo_cache (kept)"]], env)  # the first process asks and keeps the answer
         asks = side_by_side({k: ["-c", v] for k, v in ASKS.items()}, args.rounds, env)
-        print_pair("2. What is this CPU? (one ask; each process also pays `import cpuinfo`)", asks)
-        counted = cpu_seconds(["-c", COUNT_ASKS], {**env, "DS_ACCELERATOR": "cpu"})[2].split()[-1]
-        print(
-            f"  loading DeepSpeed's CPU Adam (offload=cpu) asks {counted} times: each rank of an offload run paid "
-            f"the first arm that often; with the cache, the machine's first process asks once"
+        figures["cpuinfo_cpu_s"] = pair_table(
+            report, "2. What is this CPU? (one ask; each process also pays `import cpuinfo`)", asks
+        )
+        counted = int(cpu_seconds(["-c", COUNT_ASKS], {**env, "DS_ACCELERATOR": "cpu"})[2].split()[-1])
+        figures["cpuinfo_asks_cpu_adam"] = counted
+        report.print(
+            f"\nLoading DeepSpeed's CPU Adam (offload=cpu) asks {counted} times: each rank of an offload run paid "
+            "the first arm that often; with the cache, the machine's first process asks once."
         )
 
         def first_step(started: float) -> float:
@@ -128,13 +148,19 @@ def main() -> None:
             env,
             after_each=first_step,
         )
-        print_pair("3. python train.py (tiny GPT-2, zero=stage2 offload=cpu, 3 steps): the whole process", runs)
-        seconds = {name: statistics.median(s for *_, s in rows) for name, rows in runs.items()}
-        print(
-            "  start to first step: "
-            + ", ".join(f"{name} {s:.2f} s" for name, s in seconds.items())
-            + f"; ratio {seconds['after'] / seconds['before (both undone)']:.2f}"
+        figures["train_cpu_s"] = pair_table(
+            report, "3. python train.py (tiny GPT-2, zero=stage2 offload=cpu, 3 steps): the whole process", runs
         )
+        seconds = {name: statistics.median(s for *_, s in rows) for name, rows in runs.items()}
+        figures["train_first_step_s"] = seconds
+        report.print(
+            "\nStart to first step: "
+            + ", ".join(f"{name} {s:.2f} s" for name, s in seconds.items())
+            + f"; ratio {seconds['after'] / seconds['before (both undone)']:.2f}."
+        )
+    # each arm's rounds: (CPU s, wall s, start to first step s or None)
+    figures["rounds_raw"] = {"imports": imports, "cpuinfo": asks, "train": runs}
+    report.save(args.save, figures)
 
 
 if __name__ == "__main__":

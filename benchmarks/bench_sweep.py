@@ -1,7 +1,7 @@
 """Sweep overhead, measured side by side: a direct `deepspeed --num_gpus 2 train.py` run against
 the same job inside a `-m` sweep of 4 jobs through lmrepo's launcher.
 
-    python benchmarks/bench_sweep.py [--ranks 2] [--out DIR]
+    python benchmarks/bench_sweep.py [--ranks 2] [--out DIR] [--save]   # ~1.5 min on 2 cores
 
 Prints the sweep's wall time and, per job, the time from its start to its first training step
 against the direct run's (the launcher's overhead per job is the difference).
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
 from lmrepo.launch import launch_command
 
 TINY = [
@@ -80,18 +80,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    add_save_flag(parser)
     args = parser.parse_args()
+    report = Report(__file__)
     out = args.out or Path(tempfile.mkdtemp(prefix="lmrepo-bench-sweep-"))
     out.mkdir(parents=True, exist_ok=True)
     direct = direct_run(out, args.ranks)
     wall, per_job = sweep_run(out, args.ranks)
-    print(f"direct deepspeed run, start to first step: {direct:.1f} s")
-    print(f"4-job sweep ({args.ranks} ranks per job): {wall:.1f} s wall")
-    print("| job | start to first step (s) | minus direct (s) |\n| --- | --- | --- |")
-    for name, seconds in per_job:
-        print(f"| {name} | {seconds:.1f} | {seconds - direct:+.1f} |")
     mean = sum(s for _, s in per_job) / len(per_job)
-    print(f"launcher overhead per job (mean): {mean - direct:+.1f} s on {direct:.1f} s of start-up")
+    report.print(f"Direct `deepspeed` run, start to first step: {direct:.1f} s.")
+    report.print(f"4-job sweep ({args.ranks} ranks per job): {wall:.1f} s wall.\n")
+    report.print("| job | start to first step (s) | minus direct (s) |\n| --- | --- | --- |")
+    for name, seconds in per_job:
+        report.print(f"| {name} | {seconds:.1f} | {seconds - direct:+.1f} |")
+    report.print(f"\nLauncher overhead per job (mean): {mean - direct:+.1f} s on {direct:.1f} s of start-up.")
+    report.save(
+        args.save,
+        {
+            "ranks": args.ranks,
+            "direct_first_step_s": direct,
+            "sweep_wall_s": wall,
+            "jobs_first_step_s": dict(per_job),
+            "overhead_per_job_s": mean - direct,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What the benchmarks in this folder share (the repository's paths, the machine, the CPU's
-matmul peak), and what benchmarks/bench.py measures, one function per worker process. Every
+matmul peak, the results files), and what benchmarks/bench.py measures, one function per worker process. Every
 worker gets the same spec (model, the DeepSpeed config train.py wrote, the prepared token files,
 seed, steps) and returns JSON-able results; benchmarks/bench.py launches them, interleaves them
 and prints the table. Not part of the lmrepo package: the benchmarks import it as `common`
@@ -7,7 +7,9 @@ and prints the table. Not part of the lmrepo package: the benchmarks import it a
 
 - `machine`: what the figures were measured on; `measure_cpu_peak_tflops`: the CPU's matmul
   peak, the denominator of the CPU's MFU.
-- `BareArms`: the seeds' loop (`engine(batch).loss; engine.backward(loss); engine.step()`) over
+- `Report`, `add_save_flag`: every script prints through a Report and ends with `report.save(args.save,
+  figures)`; with --save that writes benchmarks/results/<benchmark>_<machine>_<yyyy-mm>.md and .json.
+- `BareArms`: the DeepSpeed tutorials' loop (`engine(batch).loss; engine.backward(loss); engine.step()`) over
   the batches train.py reads, materialized before the clock starts, one step at a time: the
   ruler the other loops are paired with, eager and (arm "compiled") after `engine.compile()`.
 - `bare_loop`: the bare loop alone (eager; eager against compiled, or against a twin);
@@ -18,10 +20,14 @@ and prints the table. Not part of the lmrepo package: the benchmarks import it a
   parameters, gradients and optimizer states, counted from the engine's own tensors.
 """
 
+import argparse
+import datetime
 import gc
+import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -95,33 +101,73 @@ def time_default_job(run_dir: Path, overrides: list[str], steps: int, env: dict,
 
 # ---- the machine ----
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16")  # what decides torch's CPU kernels here
+# The first Xeon generation with each feature: Granite Rapids (AMX-FP16), Sapphire Rapids (AMX-BF16),
+# Cooper Lake (AVX512-BF16); AVX-512 alone: Skylake to Ice Lake.
+XEON_GENERATIONS = (("amx_fp16", "gnr"), ("amx_bf16", "spr"), ("avx512_bf16", "cpx"), ("avx512f", "avx512"))
+
+
+def cpu_info() -> dict:
+    """The CPU as Linux describes it (the first processor of /proc/cpuinfo): model name, vendor,
+    family and model numbers, which of ISA_FLAGS it has, and the kernels torch dispatches to."""
+    names = {"model name": "model", "vendor_id": "vendor", "cpu family": "family", "model": "number", "flags": "flags"}
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in names:
+                fields[names[key.strip()]] = value.strip()
+    except OSError:  # not Linux: the model name is all there is
+        pass
+    flags = fields.get("flags", "").split()
+    return {
+        "model": fields.get("model") or platform.processor() or platform.machine(),
+        "vendor": fields.get("vendor", ""),
+        "family": int(fields["family"]) if fields.get("family", "").isdigit() else None,
+        "number": int(fields["number"]) if fields.get("number", "").isdigit() else None,
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def slug(text: str) -> str:
+    """Lower case, runs of anything but letters and digits as one hyphen."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def machine_slug(cpu: dict, gpu: str | None = None) -> str:
+    """The <machine> of a results file's name: the GPU's model (`h100`, `a100`, `rtx-4090`) when
+    one was measured, else the CPU's family and generation (`xeon-spr`, `epyc-zen4`), else a
+    slug of the CPU's model name."""
+    if gpu:
+        words = slug(re.sub(r"\b(nvidia|geforce|tesla|quadro)\b", " ", gpu, flags=re.I)).split("-")
+        first_with_digit = next((i for i, w in enumerate(words) if re.search(r"\d", w)), len(words) - 1)
+        return "-".join(words[: first_with_digit + 1]) or "gpu"
+    name, isa, family, number = cpu["model"].lower(), set(cpu["isa"]), cpu["family"], cpu["number"] or 0
+    if "xeon" in name:
+        for flag, generation in XEON_GENERATIONS:
+            if flag in isa:
+                return f"xeon-{generation}"
+        return "xeon"
+    if "epyc" in name:
+        zen = {23: "zen2" if number >= 0x30 else "zen1", 25: "zen4" if "avx512f" in isa else "zen3", 26: "zen5"}
+        return f"epyc-{zen[family]}" if family in zen else "epyc"
+    words = slug(re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*", " ", name)).split("-")
+    return "-".join(words[:4]) or platform.machine().lower()
+
 
 def machine() -> dict:
-    """What the table was measured on."""
+    """What bench.py's and bench_eval.py's tables were measured on (their own report; --save
+    also writes the results-file header, `provenance`)."""
     import accelerate
     import deepspeed
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
-        cpu = " ".join(
-            x
-            for x in (
-                fields.get("Model name"),
-                f"(family {fields.get('CPU family')}, model {fields.get('Model')})" if "CPU family" in fields else None,
-            )
-            if x
-        )
-        flags = fields.get("Flags", "").split()
-        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    except (OSError, subprocess.SubprocessError, ValueError):
-        isa = []
+    cpu = cpu_info()
+    numbers = f" (family {cpu['family']}, model {cpu['number']})" if cpu["family"] is not None else ""
     return {
-        "cpu": cpu,
-        "isa": isa,
+        "cpu": cpu["model"] + numbers,
+        "isa": cpu["isa"],
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "os": f"{platform.system()} {platform.release()}",
@@ -132,6 +178,139 @@ def machine() -> dict:
         "accelerate": accelerate.__version__,
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+# ---- results files: what a benchmark printed, and where, when and how it was measured ----
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Environment variables that change what a run measures; the header lists those that were set.
+MEASURED_ENV = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "ONEDNN_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "CUDA_VISIBLE_DEVICES",
+    "LD_PRELOAD",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "GLIBC_TUNABLES",
+    "TORCH_EXTENSIONS_DIR",
+    "CXX",
+)
+
+
+def add_save_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="also write benchmarks/results/<benchmark>_<machine>_<yyyy-mm>.md and .json "
+        "(this machine's file of this month is overwritten)",
+    )
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _command() -> str:
+    """The command line as typed, the interpreter's path relative to the repository when it is inside it."""
+    argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    try:
+        argv[0] = str(Path(argv[0]).relative_to(REPO))
+    except ValueError:
+        pass
+    return shlex.join(argv)
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("deepspeed", "transformers"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+class Report:
+    """What a benchmark prints, kept for its results file. `report.print(...)` prints markdown
+    and keeps it; `report.save(args.save, figures)`, the last call of the script's main(), writes
+    benchmarks/results/<benchmark>_<machine>_<yyyy-mm>.md (a provenance header, then what was
+    printed) and .json (the provenance and the raw figures) when --save was given. Created when the
+    benchmark starts: the date, the command and the first load average are the start's. `device`
+    "cpu" names the file after the CPU even where a GPU is visible (a benchmark of the CPU)."""
+
+    def __init__(self, script: str, device: str = "auto"):
+        self.benchmark = Path(script).stem
+        self.lines: list[str] = []
+        cpu = cpu_info()
+        gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
+        status = _git("status", "--porcelain", "--untracked-files=no").splitlines()
+        self.provenance = {
+            "benchmark": self.benchmark,
+            "machine": machine_slug(cpu, gpu),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": _git("rev-parse", "HEAD").strip() or None,
+            "dirty": bool(status),
+            "changed": [line[3:] for line in status],
+            "command": _command(),
+            "environment": {k: os.environ[k] for k in MEASURED_ENV if k in os.environ},
+            "cpu": cpu,
+            "gpu": gpu,
+            "cores": {"os_cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))},
+            "load_average": {"start": [round(x, 2) for x in os.getloadavg()], "end": None},
+            "versions": _versions(),
+        }
+
+    def print(self, *values: object) -> None:
+        text = " ".join(str(v) for v in values)
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def save(self, save: bool, figures: dict) -> None:
+        if not save:
+            return
+        p = self.provenance
+        p["load_average"]["end"] = [round(x, 2) for x in os.getloadavg()]
+        name = f"{self.benchmark}_{p['machine']}_{p['date'][:7]}"
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{name}.json").write_text(json.dumps({"provenance": p, "figures": figures}, indent=1, default=str))
+        (RESULTS / f"{name}.md").write_text(self.markdown())
+        print(f"{self.benchmark}: wrote benchmarks/results/{name}.md and .json", file=sys.stderr)
+
+    def markdown(self) -> str:
+        p, cpu = self.provenance, self.provenance["cpu"]
+        dirty = (
+            f" (dirty: {len(p['changed'])} tracked files changed, listed in the .json)" if p["dirty"] else " (clean)"
+        )
+        commit = (p["commit"] or "unknown")[:12] + dirty
+        load = p["load_average"]
+        numbers = f" (family {cpu['family']}, model {cpu['number']})" if cpu["family"] is not None else ""
+        rows = [
+            ("date", p["date"]),
+            ("commit", commit),
+            ("command", f"`{p['command']}`"),
+            ("environment", ", ".join(f"`{k}={v}`" for k, v in p["environment"].items()) or "none of note"),
+            (
+                "CPU",
+                f"{cpu['model']}{numbers}; flags {' '.join(cpu['isa']) or 'none of ' + ', '.join(ISA_FLAGS)}; "
+                f"torch CPU capability {cpu['capability']}",
+            ),
+            ("GPU", p["gpu"] or "none"),
+            ("cores", f"{p['cores']['os_cpu_count']} (os.cpu_count), {p['cores']['affinity']} usable (affinity)"),
+            ("load average", f"{' '.join(map(str, load['start']))} at start, {' '.join(map(str, load['end']))} at end"),
+            ("versions", ", ".join(f"{k} {v}" for k, v in p["versions"].items())),
+        ]
+        header = [f"# {self.benchmark} on {p['machine']}, {p['date'][:7]}", "", "| | |", "| --- | --- |"]
+        header += [f"| {k} | {v} |" for k, v in rows]
+        # the script's own headings one level down, under this file's title
+        body = [("#" + line) if line.startswith("#") else line for line in "\n".join(self.lines).splitlines()]
+        return "\n".join([*header, "", "## Results", "", *body]).rstrip() + "\n"
 
 
 def measure_cpu_peak_tflops(dtype: str, seconds: float = 2.0, n: int = 2048) -> float:
@@ -190,7 +369,7 @@ def build(spec: dict):
 
 
 class BareArms:
-    """Engines driven by the seeds' loop over the same batches, one optimizer step at a time:
+    """Engines driven by the DeepSpeed tutorials' bare loop over the same batches, one optimizer step at a time:
     arm "eager", and "compiled" (`engine.compile()`, inductor). Each arm walks the batches on its
     own; `step()` steps the given arms (all by default: the order alternates, so neither always
     runs first) and records each one's wall time and loss."""
@@ -229,7 +408,7 @@ class BareArms:
 
 
 def bare_loop(spec: dict) -> dict:
-    """The seeds' loop alone: step times (s) and losses per arm. Several arms take turns in blocks
+    """The tutorials' bare loop alone: step times (s) and losses per arm. Several arms take turns in blocks
     of `spec["block"]` steps: a compiled engine stepped between eager steps slowed those eager
     steps by about 3% here (cause not pinned down), in blocks that cost falls on few steps."""
     from lmrepo.launch import ensure_single_process_env
