@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -121,12 +122,10 @@ def write_manifest(tag_dir: Path) -> int:
     return sum(size for share in shares for size, _ in share.values())
 
 
-def save(
-    engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int
-) -> tuple[str, float, int]:
-    """Every rank writes its files of checkpoint step_N, synced and recorded in its manifest;
-    nothing names it yet (promote). Returns the tag, the seconds the manifest took (fsync and
-    checksums: the price of durability, logged as checkpoint_sync_s) and the checkpoint's bytes."""
+def save(engine: Engine, checkpoint_dir: Path, state: TrainState, config: dict, tokenizer_size: int) -> str:
+    """Every rank starts its files of checkpoint step_N (an engine that writes in the background
+    goes on after this returns); finish() completes and records them, and nothing names the
+    checkpoint before that (promote). Returns the tag."""
     tag = tag_for(state.step)
     client_state = {
         "step": state.step,
@@ -138,39 +137,83 @@ def save(
     if dist.get_rank() == 0 and (checkpoint_dir / tag).exists():
         shutil.rmtree(checkpoint_dir / tag)  # a crashed run's unconfirmed save of this step: its files must not mix in
     dist.barrier()
-    try:
+    with failed_saves_removed(checkpoint_dir, tag):
         engine.save(checkpoint_dir, tag, client_state)
         torch.save(rng_state(), checkpoint_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
+    return tag
+
+
+def finish(engine: Engine, checkpoint_dir: Path, tag: str) -> tuple[float, int]:
+    """Every rank's files of `tag` written, synced and recorded in its manifest. Returns the
+    seconds the manifest took (fsync and checksums: the price of durability, logged as
+    checkpoint_sync_s) and the checkpoint's bytes."""
+    with failed_saves_removed(checkpoint_dir, tag):
+        engine.finish_save()
         dist.barrier()  # every rank's files are complete before they are recorded and `latest` may name them
         synced = time.perf_counter()
         size = write_manifest(checkpoint_dir / tag)
-        sync_s = time.perf_counter() - synced
+        return time.perf_counter() - synced, size
+
+
+@contextmanager
+def failed_saves_removed(checkpoint_dir: Path, tag: str):
+    """A save that fails for want of room or permission is one TrainingError, and its files go:
+    never half a checkpoint; `latest` still names a whole one."""
+    try:
+        yield
     except Exception as err:
         if (reason := disk_error(err) or write_failure(err, checkpoint_dir)) is None:
             raise
-        shutil.rmtree(
-            checkpoint_dir / tag, ignore_errors=True
-        )  # never half a checkpoint; `latest` still names a whole one
+        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)
         latest = checkpoint_dir / "latest"
         kept = f"{latest.read_text().strip()} is intact" if latest.is_file() else "there is no earlier checkpoint"
         raise TrainingError(
-            f"saving checkpoint {checkpoint_dir / tag} failed: {reason}; {kept}: free space, then "
-            "resume with run.resume=auto"
+            f"saving checkpoint {checkpoint_dir / tag} failed: {reason}; {kept}: fix that, then resume "
+            "with run.resume=auto"
         ) from None
-    return tag, sync_s, size
 
 
 def write_failure(err: BaseException, directory: Path) -> str | None:
-    """torch.save reports a full disk as a RuntimeError of its zip writer ("file write failed",
-    then "unexpected pos" from closing the archive), without the errno: ask the disk."""
+    """torch.save reports a failed write (a full disk, a file-size limit, a quota, an I/O error) as
+    a RuntimeError of its zip writer ("file write failed", "unexpected pos ..."), without the
+    errno: ask the directory why writes fail there. None: not a failed write."""
     messages = []
     while err is not None and len(messages) < 8:
         messages.append(str(err))
         err = err.__cause__ or err.__context__
+    zip_writer = any(s in m for m in messages for s in ("write failed", "unexpected pos", "inline_container"))
     free = shutil.disk_usage(directory).free
-    if free >= 2**26 and not any("write failed" in m for m in messages):
-        return None
-    return f"no space left on device ({free / 2**20:.0f} MiB free in {directory})"
+    if free < 2**26:
+        return f"no space left on device ({free / 2**20:.0f} MiB free in {directory})"
+    return why_writes_fail(directory) if zip_writer else None
+
+
+# A probe as large as this finds a file-size limit or a quota a checkpoint file would meet.
+PROBE_BYTES = 2**26
+
+
+def why_writes_fail(directory: Path) -> str:
+    """The reason a large write into `directory` fails: a file-size limit (`ulimit -f`), or the
+    error a probe file meets (a quota, a read-only file system, an I/O error)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    reached = limit != resource.RLIM_INFINITY and any(
+        p.is_file() and p.stat().st_size >= limit for p in directory.rglob("*")
+    )
+    if reached:  # the file that failed stopped at the limit
+        return f"a file reached this process's file-size limit of {limit / 2**20:.1f} MiB (ulimit -f): raise it"
+    probe = directory / f".lmrepo-write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            for _ in range(PROBE_BYTES // 2**20):
+                f.write(bytes(2**20))
+            os.fsync(f.fileno())
+    except OSError as err:
+        return f"{err.strerror.lower()} in {directory}"
+    finally:
+        probe.unlink(missing_ok=True)
+    return f"a write into {directory} failed (torch's writer gave no reason)"
 
 
 def promote(checkpoint_dir: Path, tag: str, keep_last: int) -> None:
@@ -193,23 +236,41 @@ class Checkpointer:
     ):
         self.engine, self.directory, self.config = engine, checkpoint_dir, config
         self.tokenizer_size, self.keep_last, self.on_saved = tokenizer_size, keep_last, on_saved
-        self.pending: str | None = None
+        self.pending: str | None = None  # the tag on probation
+        self.unrecorded = False  # its files are still being written (an engine that saves in the background)
+        self.step, self.blocked_s = 0, 0.0
 
     def save(self, state: TrainState) -> None:
         started = time.perf_counter()
-        self.pending, sync_s, size = save(self.engine, self.directory, state, self.config, self.tokenizer_size)
+        self.pending, self.step = save(self.engine, self.directory, state, self.config, self.tokenizer_size), state.step
+        self.unrecorded, self.blocked_s = True, time.perf_counter() - started
+        if not self.engine.background_save:
+            self._record()
+
+    def _record(self) -> None:
+        """Waits for the files (training went on meanwhile), records them in the manifest, logs the
+        save: checkpoint_save_s is the time the training loop waited for it."""
+        if not self.unrecorded:
+            return
+        started = time.perf_counter()
+        sync_s, size = finish(self.engine, self.directory, self.pending)
+        self.unrecorded = False
         if self.on_saved is not None:
-            self.on_saved(state.step, time.perf_counter() - started, sync_s, size / 2**30)
+            self.on_saved(self.step, self.blocked_s + time.perf_counter() - started, sync_s, size / 2**30)
 
     def confirm(self) -> None:
         """The weights of the checkpoint on probation gave a finite loss."""
         if self.pending is not None:
+            self._record()
             promote(self.directory, self.pending, self.keep_last)
             self.pending = None
 
     def abandon(self) -> None:
         """The checkpoint on probation holds weights that gave a non-finite loss."""
         if self.pending is not None:
+            if self.unrecorded:
+                self.engine.finish_save()  # its writer must stop writing before its files go
+                self.unrecorded = False
             if dist.get_rank() == 0:
                 shutil.rmtree(self.directory / self.pending, ignore_errors=True)
             self.pending = None
@@ -239,6 +300,7 @@ class Resume:
     partitioned: bool  # ZeRO (or bf16) optimizer state cut per data-parallel rank
     universal: bool = False
     ds_config: dict = field(default_factory=dict)  # the DeepSpeed dict it was written with (empty: a torch pipeline's)
+    config: dict = field(default_factory=dict)  # the composed config of the run that wrote it
 
 
 def find(resume: str | None, checkpoint_dir: Path) -> tuple[Path, str] | None:
@@ -409,6 +471,7 @@ def inspect(
         int(states["dp_size"]),
         partitioned,
         ds_config=states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {},
+        config=states["config"],
     )
 
 

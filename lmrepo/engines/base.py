@@ -13,6 +13,7 @@ class Engine(Protocol):
     device: torch.device
     dp_rank: int  # this rank's place among the ranks that read different samples
     dp_size: int  # how many such ranks (pipeline stages and tensor-parallel ranks of one replica read the same)
+    background_save: bool  # save() returns before its files are written; finish_save() waits for them
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """Forward and backward over one optimizer step's micro batches, then the step; the mean
@@ -29,6 +30,10 @@ class Engine(Protocol):
 
     def save(self, directory: Path, tag: str, client_state: dict) -> None:
         """This rank's files of checkpoint `tag` under `directory` (every rank calls it)."""
+
+    def finish_save(self) -> None:
+        """Returns once this rank's files of the last save are written: an engine that writes them
+        in the background (FSDP2's async DCP save) waits here; the others return at once."""
 
     def load(self, directory: Path, tag: str) -> dict:
         """Restores checkpoint `tag`; returns the client state saved with it."""

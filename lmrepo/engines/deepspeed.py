@@ -75,6 +75,8 @@ def tensor_parallel_groups(ds_config: dict):
 class DeepSpeedEngine:
     """lmrepo's Engine over a DeepSpeedEngine (`self.ds`)."""
 
+    background_save = False
+
     def __init__(self, ds_engine):
         self.ds, self.device = ds_engine, ds_engine.device
         if ds_engine.autotp_size() > 1:  # one tensor-parallel group reads the same samples
@@ -129,6 +131,9 @@ class DeepSpeedEngine:
 
     def save(self, directory: Path, tag: str, client_state: dict) -> None:
         self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+
+    def finish_save(self) -> None:
+        pass  # save_checkpoint returns with the files written
 
     def load(self, directory: Path, tag: str) -> dict:
         path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)

@@ -51,6 +51,8 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 class FSDP2Engine:
     """lmrepo's Engine over a fully_shard'ed transformers model."""
 
+    background_save = True  # dcp.async_save
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -89,6 +91,11 @@ class FSDP2Engine:
         self.grad_clip, self.micro_batches = grad_clip, micro_batches
         self.last_grad_norm: float | None = None
         self.global_steps = 0
+        # DCP writes a checkpoint in a background thread while training goes on; its collectives
+        # need a process group of their own (on the default one, gloo's messages of the two
+        # threads interleave: "Received data size doesn't match expected size").
+        self.save_group = dist.new_group(backend="gloo")
+        self.writing = None  # the Future of the save being written
 
     # --- what the loop calls
 
@@ -135,9 +142,16 @@ class FSDP2Engine:
     # --- checkpoints: DCP for the sharded states, a torch.save file for the rest
 
     def save(self, directory: Path, tag: str, client_state: dict) -> None:
+        """Copies the sharded states to host memory, then writes them in the background: the next
+        steps train meanwhile, and lmrepo.checkpoint records and names the checkpoint only after
+        finish_save()."""
+        self.finish_save()  # one save in flight
         tag_dir = Path(directory, str(tag))
+        tag_dir.mkdir(parents=True, exist_ok=True)  # the writer thread may not have made it yet
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tag_dir)
+        self.writing = dcp.async_save(
+            {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tag_dir, process_group=self.save_group
+        )
         if dist.get_rank() == 0:
             states = {
                 "module": None,
@@ -148,6 +162,11 @@ class FSDP2Engine:
             }
             torch.save(states, tag_dir / CLIENT_STATE_FILE)
         dist.barrier()
+
+    def finish_save(self) -> None:
+        if self.writing is not None:
+            writing, self.writing = self.writing, None
+            writing.result()  # a failed write raises here, where lmrepo.checkpoint handles it
 
     def load(self, directory: Path, tag: str) -> dict:
         tag_dir = Path(directory, str(tag))

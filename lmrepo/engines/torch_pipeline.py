@@ -141,6 +141,8 @@ class TorchPipelineEngine:
     """lmrepo's Engine over a torch.distributed.pipelining schedule, with DeepSpeed's grid,
     partitioning and checkpoint layout."""
 
+    background_save = False
+
     def __init__(
         self,
         layers: list,
@@ -358,6 +360,9 @@ class TorchPipelineEngine:
             directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt",
         )
         dist.barrier()
+
+    def finish_save(self) -> None:
+        pass  # save() returns with the files written
 
     def load(self, load_dir: Path, tag: str) -> dict:
         directory = Path(load_dir, str(tag))
