@@ -12,7 +12,19 @@ import yaml
 
 # A directory is a run (a job) when it holds any of these; a job that died early may have one only.
 RUN_MARKERS = (".hydra/config.yaml", "status.json", "metrics.jsonl", "error.txt")
-COLUMNS = ["job", "final loss", "eval loss", "tokens/s", "TFLOP/s", "MFU", "peak mem GB", "steps", "wall s", "status"]
+COLUMNS = [
+    "job",
+    "final loss",
+    "eval loss",
+    "grad norm",
+    "tokens/s",
+    "TFLOP/s",
+    "MFU",
+    "peak mem GB",
+    "steps",
+    "wall s",
+    "status",
+]
 PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png")
 
 
@@ -180,6 +192,7 @@ def summarize(job: Job) -> dict:
         "job": job.name,
         "final loss": train[-1]["loss"] if train else None,
         "eval loss": evals[-1]["eval_loss"] if evals else None,
+        "grad norm": train[-1].get("grad_norm") if train else None,  # the last step's, before clipping
         "tokens/s": median("tokens_per_s"),
         "TFLOP/s": median("tflops"),
         "MFU": median("mfu"),
@@ -203,6 +216,7 @@ def downstream(metrics: list[dict]) -> dict:
 FORMATS = {
     "final loss": "{:.4f}",
     "eval loss": "{:.4f}",
+    "grad norm": "{:.4g}",
     "tokens/s": "{:.0f}",
     "TFLOP/s": "{:.4g}",
     "MFU": "{:.2%}",

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from lmrepo.errors import ConfigError
+
 
 def strip_local_rank_arg(argv: list[str]) -> list[str]:
     """The deepspeed launcher appends `--local_rank=N`, which Hydra rejects; move it to LOCAL_RANK."""
@@ -110,6 +112,25 @@ def ensure_single_process_env() -> None:
     if "RANK" in os.environ:
         return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def refuse_a_taken_master_port() -> None:
+    """Two `deepspeed train.py` commands on one machine both take the launcher's default port
+    29500: the second one's rank 0 cannot open the rendezvous store there, and torch says so
+    in a traceback per rank (DistNetworkError, EADDRINUSE). Rank 0 says it in one line first.
+    Not under torchrun, whose agent holds the store on that port itself."""
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    if rank() != 0 or not port or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store: TIME_WAIT is no owner
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise ConfigError(
+                f"MASTER_PORT {port} is in use (another job on this machine?): launch with "
+                f"deepspeed --master_port {free_port()} (torchrun: --master-port) or stop the other job"
+            ) from None
 
 
 def init_distributed(timeout_s: float = 0) -> None:

@@ -40,5 +40,10 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
         ds_config, user_changed = lay_over(ds_config, user, config, dp_size)
         notes += [f"lmrepo: warning: deepspeed_config={user.path}: {line}" for line in user.warnings]
     prefer_torch_adam_on_cpu(ds_config, device.type)
-    check_deepspeed(ds_config, config.pipeline, device, user)
+    check_deepspeed(ds_config, config.pipeline, device, user, config.checkpointing.enabled)
+    if user is not None and user.sets("activation_checkpointing") and not config.checkpointing.enabled:
+        notes.append(
+            f"lmrepo: deepspeed_config={user.path}: its activation_checkpointing section is not used: activation "
+            "checkpointing is off (checkpointing=full or every_n turns it on)"
+        )
     return Plan(config, device, ds_config, user_changed, notes)

@@ -6,11 +6,17 @@ from pathlib import Path
 
 from lmrepo.config import CheckpointingConfig, ModelConfig, PipelineConfig, TPConfig, TPMode
 from lmrepo.device import Device
-from lmrepo.errors import require
+from lmrepo.errors import ConfigError, require
 from lmrepo.user_config import UserConfig, enabled
 
 
-def check_deepspeed(ds: dict, pipeline: PipelineConfig, device: Device, user: UserConfig | None = None) -> None:
+def check_deepspeed(
+    ds: dict,
+    pipeline: PipelineConfig,
+    device: Device,
+    user: UserConfig | None = None,
+    activation_checkpointing: bool = True,
+) -> None:
     """The final dict's rules, so a user's JSON is held to the same ones as lmrepo's groups. Each
     message names what will fix it: the JSON's key when the JSON set the value, lmrepo's otherwise."""
 
@@ -61,15 +67,19 @@ def check_deepspeed(ds: dict, pipeline: PipelineConfig, device: Device, user: Us
             )
     if optimizer_offload == "nvme" or param_offload == "nvme":
         check_libaio()
-    if user is not None and user.sets("activation_checkpointing"):
+    if user is not None and user.sets("activation_checkpointing") and activation_checkpointing:
+        # The section only matters while blocks recompute (plan() says when it is not used).
         section = ds["activation_checkpointing"]
-        CheckpointingConfig.check_zero_r(
-            section.get("partition_activations"),
-            section.get("cpu_checkpointing"),
-            section.get("contiguous_memory_optimization"),
-            section.get("number_checkpoints"),
-            prefix=f"deepspeed_config={user.path}: activation_checkpointing.",
-        )
+        try:
+            CheckpointingConfig.check_zero_r(
+                section.get("partition_activations"),
+                section.get("cpu_checkpointing"),
+                section.get("contiguous_memory_optimization"),
+                section.get("number_checkpoints"),
+                prefix="activation_checkpointing.",
+            )
+        except ConfigError as err:
+            raise ConfigError(f"deepspeed_config={user.path}: {err}") from None
     schedule = pipeline.schedule
     if pipeline.engine == "deepspeed":
         require(

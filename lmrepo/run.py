@@ -4,6 +4,7 @@ import atexit
 import time
 from pathlib import Path
 
+import psutil
 import torch.distributed as dist
 from omegaconf import DictConfig
 from transformers import set_seed
@@ -53,8 +54,31 @@ def prepare_job(job: Plan, run_dir: Path):
             )
         resume = checkpoint.prepare_universal(resume, dp_size)
         job.notes += [line for line in [continue_with_saved_adam(ds_config, resume.ds_config)] if line]
+        job.notes += [line for line in [schedule_change(resume.config, config, resume.step)] if line]
     data_sources = prepare_sources(config.data, tokenizer)
     return tokenizer, data_sources, resume
+
+
+def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
+    """A resume with another run length or schedule takes the learning rate of the new schedule
+    from the checkpoint's step on (the old one's would not reach its end): said in one line."""
+    now = to_dict(config)
+    keys = ("trainer.max_steps", "optimizer.lr", "schedule.name", "schedule.warmup_steps", "schedule.min_lr_ratio")
+
+    def value(tree: dict, dotted: str):
+        for part in dotted.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+
+    changed = [
+        f"{k}={value(now, k)} (was {value(saved, k)})" for k in keys if value(saved, k) not in (None, value(now, k))
+    ]
+    if not changed:
+        return None
+    return (
+        f"lmrepo: note: resuming at step {step} with {', '.join(changed)}: the learning rate follows the new "
+        "schedule from this step"
+    )
 
 
 def downstream_tasks(names: list[str]):
@@ -94,12 +118,14 @@ def throughput_of(config: TrainConfig, ds_config: dict, device) -> Throughput:
 
 def train(cfg: DictConfig, job: Plan) -> dict:
     """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan)."""
-    started = time.time()  # status.json's wall_s covers start-up too
+    # status.json's wall_s covers the whole command: the interpreter's start, imports and planning too
+    started = psutil.Process().create_time()
     run_dir = Path(cfg.run.dir)
     rank0 = launch.rank() == 0
     try:
         tokenizer, data_sources, resume = prepare_job(job, run_dir)
         tasks = downstream_tasks(job.config.eval.tasks)
+        launch.refuse_a_taken_master_port()
         if job.device.type == "cpu":
             launch.prepare_shm()
         run_lock = own(run_dir) if rank0 else None  # held until train() returns (the OS frees it on any death)

@@ -73,12 +73,12 @@ def test_bench_data_quick():
     proc = run_benchmark("bench_data.py", "--quick", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in (
-        "ratio prepare / seeds, one pass:",
-        "ratio prepare / seeds, per CPU-second:",
-        "ratio tokenizer alone / seeds, per CPU-second:",
-        "ratio train_step supply / seeds:",
+        "ratio prepare / tutorials, one pass:",
+        "ratio prepare / tutorials, per CPU-second:",
+        "ratio tokenizer alone / tutorials, per CPU-second:",
+        "ratio train_step supply / tutorials:",
         "ratio over E epochs",
-        "padding waste: seeds",
+        "padding waste: the tutorials'",
         "fraction of a step waiting for data:",
         "ratio x10 / x1 peak memory:",
     ):

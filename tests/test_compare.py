@@ -50,9 +50,10 @@ def test_compare_writes_table_and_plots(sweep, tmp_path):
         metrics = read_metrics(sweep / job)
         train = [m for m in metrics if "loss" in m]
         evals = [m for m in metrics if "eval_loss" in m]
-        job, final_loss, eval_loss, tokens_s, tflops, mfu, mem, steps, wall, status = row
+        job, final_loss, eval_loss, grad_norm, tokens_s, tflops, mfu, mem, steps, wall, status = row
         assert final_loss == f"{train[-1]['loss']:.4f}"
         assert eval_loss == f"{evals[-1]['eval_loss']:.4f}"
+        assert grad_norm == f"{train[-1]['grad_norm']:.4g}"  # the last step's, before clipping
         # the median over the 5 steps after the first (warm-up)
         speeds = sorted(m["tokens_per_s"] for m in train[1:])
         assert len(speeds) == 5 and tokens_s == f"{speeds[2]:.0f}"
@@ -62,7 +63,7 @@ def test_compare_writes_table_and_plots(sweep, tmp_path):
 
     failed = rows[2]
     assert failed[-1].startswith("failed: lmrepo: error:") and "zero=stage3" in failed[-1]
-    assert failed[1:9] == ["-"] * 8
+    assert failed[1:10] == ["-"] * 9
 
     for name in ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png"):
         data = (out / name).read_bytes()

@@ -151,6 +151,39 @@ def test_json_missing_text_field(tmp_path, gpt2):
     assert token_dirs(tmp_path / "cache") == []
 
 
+@pytest.mark.parametrize(
+    "records, says",
+    [
+        (['{"text": 100000}'] * 3, "docs.jsonl line 1: text is a int (100000), not text"),
+        (['{"text": "one"}', '{"text": "two"}', '{"text": 7}'], "docs.jsonl line 3: text is a int (7), not text"),
+        (['{"text": "one"}', '{"text": ["a", "b"]}'], "docs.jsonl line 2: text is a list"),
+    ],
+    ids=["numbers", "a-number-among-texts", "a-list"],
+)
+def test_json_text_that_is_not_text_is_one_line_naming_file_and_line(tmp_path, gpt2, records, says):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(records) + "\n")
+    with pytest.raises(ConfigError) as err:
+        prepare(data_cfg(tmp_path, [path], "json", "data.num_proc=1"), gpt2)
+    assert says in str(err.value) and "\n" not in str(err.value)
+    assert token_dirs(tmp_path / "cache") == []
+
+
+def test_json_records_without_text_are_left_out_and_counted(tmp_path, gpt2, capsys):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "one"}\n{}\n{"text": null}\n{"text": "two"}\n')
+    token_dir = prepare(data_cfg(tmp_path, [path], "json", "data.num_proc=1"), gpt2)
+    assert decoded(gpt2, token_dir) == "one<|endoftext|>two<|endoftext|>"
+    assert "left out 2 of 4 records without text in data.text_field=text (missing or null)" in capsys.readouterr().out
+
+
+def test_json_with_no_text_at_all_is_one_line(tmp_path, gpt2):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{}\n{"text": null}\n')
+    with pytest.raises(ConfigError, match="no record has text in data.text_field=text"):
+        prepare(data_cfg(tmp_path, [path], "json", "data.num_proc=1"), gpt2)
+
+
 def test_json_round_trip(tmp_path, gpt2):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"body": "one"}\n{"body": "two"}\n')

@@ -23,6 +23,8 @@ EXPECTED = {
     "accelerate_zero_stage3_offload_config.json": None if FP16 else "change fp16.enabled in deepspeed_config=",
     "llamafactory_ds_z0_config.json": None,
     "llamafactory_ds_z3_offload_config.json": None,
+    # its activation_checkpointing section (ZeRO-R, no number_checkpoints) is unused: checkpointing is off
+    "llamafactory_ds_z3_e11_act_ckpt.json": None,
     "llamafactory_ds_z2_autotp_config.json": "tensor_parallel: set tensor parallelism with tp=auto tp.size=2",
     "llamafactory_ds_z3_fp8_config.json": "comms_config: not a key DeepSpeed reads",
     "axolotl_zero3_bf16.json": None,
@@ -83,6 +85,22 @@ def test_real_config_trains(tmp_path, name):
     if isinstance(user.get("zero_optimization", {}).get("stage"), int):
         assert ds["zero_optimization"]["stage"] == user["zero_optimization"]["stage"]
     assert f"lmrepo: deepspeed_config={CONFIGS / name} sets" in proc.stdout
+    if "activation_checkpointing" in user:
+        assert "its activation_checkpointing section is not used: activation checkpointing is off" in proc.stdout
+
+
+def test_an_unused_section_is_checked_once_its_feature_is_on():
+    """With checkpointing on, the section's ZeRO-R rules hold (contiguous_memory_optimization needs
+    number_checkpoints), said in one line that names the file once."""
+    from conftest import CPU, compose_config, validate
+    from lmrepo.errors import ConfigError
+
+    path = CONFIGS / "llamafactory_ds_z3_e11_act_ckpt.json"
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([*SHORT, f"deepspeed_config={path}", "checkpointing=full"]), 1, CPU)
+    message = str(err.value)
+    assert "activation_checkpointing.contiguous_memory_optimization needs" in message
+    assert message.count(str(path)) == 1 and "\n" not in message
 
 
 @pytest.fixture(scope="module")

@@ -286,6 +286,63 @@ def test_a_full_disk_at_save_keeps_the_last_checkpoint(small_disk, tmp_path):
     assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == [], "no half checkpoint"
 
 
+def test_a_file_size_limit_at_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """`ulimit -f` (how a quota-managed file system or a batch system's limit answers: EFBIG): torch's
+    zip writer fails without an errno ("unexpected pos"); the line names the limit, the partial
+    checkpoint goes and status.json says why. The limit (8 MiB) is above the tokens and logs, below
+    one TINY model-states file (~13 MB: the 50,257-row embedding in fp32)."""
+    import resource
+
+    limit = 8 * 2**20
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            PYTHON,
+            str(REPO / "train.py"),
+            *TINY,
+            "trainer.max_steps=4",
+            "trainer.save_every=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limited,
+    )
+    line = one_error_line(proc)
+    assert proc.returncode == 1 and "saving checkpoint" in line and "file-size limit of 8.0 MiB (ulimit -f)" in line
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == [], "no half checkpoint"
+    assert not (run_dir / "checkpoints" / "latest").exists()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "ulimit -f" in status["error"]
+
+
+@pytest.mark.distributed
+def test_a_master_port_another_job_holds_is_one_line(tmp_path):
+    """Two `deepspeed train.py` on one machine both take port 29500: the second one's rank 0 says
+    so, naming --master_port and a free port, where torch gave a traceback per rank."""
+    import socket
+
+    with socket.socket() as other_job:
+        other_job.bind(("127.0.0.1", 0))
+        other_job.listen()
+        port = other_job.getsockname()[1]
+        run_dir = tmp_path / "run"
+        proc = subprocess.run(
+            [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
+             str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    line = one_error_line(proc)
+    assert proc.returncode != 0 and f"MASTER_PORT {port} is in use" in line and "--master_port" in line
+    assert "DistNetworkError" not in proc.stderr
+
+
 def test_a_disk_error_one_rank_meets_alone_is_said_by_that_rank(monkeypatch, capsys):
     """A file error on rank 1 only (its disk, or a race on a shared directory) ended that rank
     without a word: rank 0 could only report the peer gone. Now the rank says it."""

@@ -5,6 +5,7 @@ both generated here, so neither can drift from the schema."""
 import ast
 import enum
 import inspect
+import textwrap
 import typing
 from dataclasses import fields, is_dataclass
 from functools import cache
@@ -13,6 +14,8 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+HELP_WIDTH = 120  # columns of `python train.py --help`
+
 TECHNIQUE_GROUPS = (
     "engine",
     "model",
@@ -122,12 +125,28 @@ def help_text(config: DictConfig) -> str:
     ]
     for group, options in group_options().items():
         chosen = choices.get(group)
-        lines.append(f"  {group:<14}" + ", ".join(o + ("*" if o == chosen else "") for o in options))
+        named = ", ".join(o + ("*" if o == chosen else "") for o in options)
+        lines += textwrap.wrap(
+            f"{group:<15} {named}",
+            HELP_WIDTH,
+            initial_indent="  ",
+            subsequent_indent=" " * 18,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
     lines += ["", "== Keys: key=value (type; value in this composition; meaning) =="]
     table = [(key, kind, value_of(config, key), doc) for key, kind, doc, _ in rows(TrainConfig)]
     width = max(len(key) for key, *_ in table)
     for key, kind, value, doc in table:
-        lines.append(f"  {key:<{width}}  {kind}; {value or '-'}; {doc}")
+        # one key a line; a meaning that would run past 120 columns goes on below, indented
+        lines += textwrap.wrap(
+            f"{key:<{width}}  {kind}; {value or '-'}; {doc}",
+            HELP_WIDTH,
+            initial_indent="  ",
+            subsequent_indent=" " * 8,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
     lines += ["", "Hydra's own flags: python train.py --hydra-help"]
     return "\n".join(lines).replace("$", "$$")  # Hydra fills the template with string.Template
 

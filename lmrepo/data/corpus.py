@@ -86,9 +86,15 @@ def load_documents(data, workdir: Path) -> datasets.Dataset:
         try:
             docs = datasets.load_dataset("json", data_files=files, split="train")
         except Exception as err:  # datasets wraps the JSON parser's many errors
-            raise ConfigError(
-                f"data.paths: cannot read {files[0]}... as JSON ({type(err).__name__}): check the files"
-            ) from None
+            # Arrow refuses a field that is text in one record and a number in another: say which
+            reason = (
+                first_non_text(files, data.text_field) or f"cannot read {files[0]}... as JSON ({type(err).__name__})"
+            )
+            raise ConfigError(f"data.paths: {reason}: check the files") from None
+        feature = docs.features.get(data.text_field)
+        if feature is not None and not is_text(feature) and getattr(feature, "dtype", None) != "null":
+            found = first_non_text(files, data.text_field) or f"{files[0]}: {data.text_field} is not text"
+            raise ConfigError(f"data.paths: {found}: make every record's {data.text_field} a string (null skips it)")
         return text_column(docs, data.text_field, files[0])
     if data.source == "hf":
         return load_hub_dataset(data)
@@ -152,7 +158,60 @@ def load_hub_dataset(data) -> datasets.Dataset:
 
 
 def text_column(docs: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
+    """The documents' text as the `text` column. Records without it (a missing field or null) are
+    left out and counted in one line; a field that is not text is one ConfigError."""
     if field not in docs.column_names:
         raise ConfigError(f"data.text_field={field} is not a field of {where} (fields: {', '.join(docs.column_names)})")
+    if getattr(docs.features[field], "dtype", None) == "null":  # every record missing it, or null
+        raise ConfigError(
+            f"{where}: no record has text in data.text_field={field} (all {len(docs)} are missing or null)"
+        )
+    if not is_text(docs.features[field]):
+        raise ConfigError(
+            f"data.text_field={field} of {where} holds {docs.features[field]}, not text: choose the field that "
+            "holds each document's text"
+        )
     docs = docs.select_columns([field])
+    missing = docs.data.column(field).null_count
+    if missing == len(docs):
+        raise ConfigError(f"{where}: no record has text in data.text_field={field} (all {missing} are missing or null)")
+    if missing:
+        print(
+            f"lmrepo: data: {where}: left out {missing:,} of {len(docs):,} records without text in "
+            f"data.text_field={field} (missing or null)",
+            flush=True,
+        )
+        import datasets
+
+        shown = datasets.is_progress_bar_enabled()  # the line above says it; no bar for a filter
+        datasets.disable_progress_bars()
+        try:
+            docs = docs.filter(lambda texts: [t is not None for t in texts], input_columns=[field], batched=True)
+        finally:
+            if shown:
+                datasets.enable_progress_bars()
     return docs if field == "text" else docs.rename_column(field, "text")
+
+
+def is_text(feature) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
+def first_non_text(files: list[str], field: str) -> str | None:
+    """ "FILE line N: FIELD is a TYPE (VALUE)" for the first JSON-lines record whose field holds
+    something other than text or null; None when there is none or the files are not JSON lines."""
+    import json
+
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return None  # not JSON lines (one JSON document): datasets' own reading stands
+                value = record.get(field) if isinstance(record, dict) else None
+                if value is not None and not isinstance(value, str):
+                    return f"{path} line {number}: {field} is a {type(value).__name__} ({str(value)[:40]}), not text"
+    return None

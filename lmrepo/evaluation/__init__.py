@@ -113,7 +113,8 @@ class Downstream:
 
         self.settings, self.tasks, self.run_dir = settings, tasks, run_dir
         self.module = engine.module
-        group = engine.ds.mpu.get_data_parallel_group() if engine.ds.autotp_size() > 1 else None
+        ds = getattr(engine, "ds", None)  # DeepSpeed's engine; FSDP2's has none
+        group = ds.mpu.get_data_parallel_group() if ds is not None and ds.autotp_size() > 1 else None
         self.lm = LmrepoLM(self.module, tokenizer, settings.batch_size, engine.device, group)
 
     def due(self, step: int, max_steps: int) -> bool:
