@@ -466,8 +466,11 @@ def test_hint_names_the_json_key_that_set_the_value(tmp_path):
             {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
             device=CPU,
         )
+    # The section only counts while activation checkpointing is on (off: accepted, a note says so)
+    section = {"activation_checkpointing": {"cpu_checkpointing": True}}
+    ds_with_json(tmp_path, section, device=CPU)
     with pytest.raises(ConfigError, match=r"activation_checkpointing.cpu_checkpointing needs .*partition_activations"):
-        ds_with_json(tmp_path, {"activation_checkpointing": {"cpu_checkpointing": True}}, device=CPU)
+        ds_with_json(tmp_path, section, ["checkpointing=full"], device=CPU)
 
 
 @pytest.mark.parametrize("dp, accum", [(1, 1), (2, 1), (2, 3)])

@@ -279,6 +279,22 @@ def test_in_loop_zero3_two_ranks_equal_the_checkpoint_on_one_and_two_ranks(tmp_p
 
 
 @pytest.mark.distributed
+def test_in_loop_fsdp2_equals_its_checkpoint(tmp_path):
+    """engine=fsdp2 on 2 ranks: the tasks in the loop through the sharded model (every rank
+    forwards in lockstep, as under ZeRO-3), then scripts/evaluate.py on the DCP checkpoint joined
+    in one process: the same results."""
+    run_dir = tmp_path / "fsdp2"
+    overrides = [*TINY, "engine=fsdp2", "trainer.save_every=6", "eval.tasks=[shakespeare_cloze]"]
+    assert_ok(run_train([*overrides, f"eval.limit={LIMIT}", "eval.batch_size=3"], run_dir, ranks=2))
+    shutil.move(run_dir / "eval" / "step_00000006.json", tmp_path / "in_loop.json")
+    in_loop = json.loads((tmp_path / "in_loop.json").read_text())["results"]
+    args = [f"run={run_dir}", "tasks=shakespeare_cloze", f"limit={LIMIT}", "batch_size=3", "bootstrap_iters=0"]
+    assert_ok(evaluate(args, tmp_path))
+    one = json.loads((run_dir / "eval" / "step_00000006.json").read_text())["results"]
+    assert_same_results(in_loop, one, rel=LL_TOL)
+
+
+@pytest.mark.distributed
 def test_pipeline_checkpoint_evaluates_like_the_data_parallel_run(launch2):
     """A gpipe checkpoint (per-layer files) consolidated in memory, against the data-parallel run
     of the same global batch (test_pipelining shares both runs)."""

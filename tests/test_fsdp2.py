@@ -22,7 +22,18 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, assert_ok, logged_steps, popen_train, read_metrics, run_train, wait_for
+from conftest import (
+    PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    launcher,
+    logged_steps,
+    popen_train,
+    read_metrics,
+    run_train,
+    wait_for,
+)
 from lmrepo.compose import load_config
 from lmrepo.errors import ConfigError
 
@@ -189,3 +200,36 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="holds more than weights"):
         WeightsOnlyReader(tmp_path).read_metadata()
     assert not marker.exists()
+
+
+@pytest.mark.distributed
+def test_fsdp2_model_states_per_rank_are_the_estimate(tmp_path):
+    """The bytes each rank holds after a step (its shards of the fp32 parameters, the gradients
+    they get, AdamW's two moments) against scripts/estimate.py's FSDP2 figure: 16 bytes x
+    parameters / ranks, within FSDP2's padding of uneven shards."""
+    from lmrepo.estimate import fsdp2_state_bytes
+
+    proc = subprocess.run(
+        [*launcher(2), str(REPO / "tests" / "fsdp2_probe.py"), str(tmp_path), *TINY, "engine=fsdp2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        held = json.loads((tmp_path / f"held_rank{rank}.json").read_text())
+        measured = held["parameters"] + held["gradients"] + held["optimizer"]
+        estimate = fsdp2_state_bytes(held["model_parameters"], 2, "fp32").gpu
+        assert abs(measured - estimate) <= 0.01 * estimate, (rank, held, estimate)
+
+
+@pytest.mark.distributed
+def test_generate_runs_on_an_fsdp2_run(launch2, tmp_path):
+    run_dir = launch2("engine=fsdp2", "zero=stage3")
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "generate.py"), f"run={run_dir}", "prompt=ROMEO:", "max_new_tokens=4",
+         f"json={out}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["prompt"] == "ROMEO:" and isinstance(result["text"], str)
