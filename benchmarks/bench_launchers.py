@@ -16,22 +16,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import REPO, Report, add_save_flag, run_measured  # benchmarks/common.py
+from common import REPO, TINY_JOB, Report, add_save_flag, run_measured  # benchmarks/common.py
 from lmrepo.launch import launch_command
 
-TINY = [
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=64",
-    "data.block_size=32",
-    "trainer.micro_batch_size=4",
-    "trainer.max_steps=6",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "trainer.eval_batches=2",
-    "logger=jsonl",
-    "precision=fp32",
-]
+TINY = [*TINY_JOB, "trainer.max_steps=6", "trainer.eval_batches=2", "precision=fp32"]
 
 
 def run(launcher: str, ranks: int, run_dir: Path) -> tuple[float, float]:

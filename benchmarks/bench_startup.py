@@ -27,7 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import (  # benchmarks/common.py, first on sys.path: puts the repository on it
+    REPO,
+    TINY_JOB,
+    Report,
+    add_save_flag,
+)
 
 IMPORTS = {
     "collector on (Python's default)": "import lmrepo.run",
@@ -55,17 +60,10 @@ BEFORE = (
 )
 AFTER = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 TINY = [
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=64",
-    "data.block_size=32",
-    "trainer.micro_batch_size=4",
+    *TINY_JOB,
     "trainer.max_steps=3",
     "schedule.warmup_steps=1",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
     "trainer.eval_batches=1",
-    "logger=jsonl",
     "precision=fp32",
     "zero=stage2",
     "offload=cpu",

@@ -15,22 +15,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import (  # benchmarks/common.py, first on sys.path: puts the repository on it
+    REPO,
+    TINY_JOB,
+    Report,
+    add_save_flag,
+)
 from lmrepo.launch import launch_command
 
-TINY = [
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=64",
-    "data.block_size=32",
-    "trainer.micro_batch_size=4",
-    "trainer.max_steps=6",
-    "schedule.warmup_steps=1",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "trainer.eval_batches=2",
-    "logger=jsonl",
-]
+TINY = [*TINY_JOB, "trainer.max_steps=6", "schedule.warmup_steps=1", "trainer.eval_batches=2"]
 
 
 def first_step_time(run_dir: Path) -> float:

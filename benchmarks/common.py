@@ -199,6 +199,20 @@ MEASURED_ENV = (
 )
 
 
+# The tiny GPT-2 job the launch and start-up benchmarks time (tests/conftest.py's TINY, which the
+# benchmarks do not import): each script adds its own step count and layout.
+TINY_JOB = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=32",
+    "trainer.micro_batch_size=4",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "logger=jsonl",
+]
+
+
 def add_save_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--save",

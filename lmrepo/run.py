@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import set_seed
 
 from lmrepo import checkpoint, cpu_malloc, launch
@@ -62,16 +62,12 @@ def prepare_job(job: Plan, run_dir: Path):
 def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
     """A resume with another run length or schedule takes the learning rate of the new schedule
     from the checkpoint's step on (the old one's would not reach its end): said in one line."""
-    now = to_dict(config)
+    now, then = OmegaConf.create(to_dict(config)), OmegaConf.create(saved)
     keys = ("trainer.max_steps", "optimizer.lr", "schedule.name", "schedule.warmup_steps", "schedule.min_lr_ratio")
-
-    def value(tree: dict, dotted: str):
-        for part in dotted.split("."):
-            tree = tree.get(part) if isinstance(tree, dict) else None
-        return tree
-
     changed = [
-        f"{k}={value(now, k)} (was {value(saved, k)})" for k in keys if value(saved, k) not in (None, value(now, k))
+        f"{key}={OmegaConf.select(now, key)} (was {OmegaConf.select(then, key)})"
+        for key in keys
+        if OmegaConf.select(then, key) not in (None, OmegaConf.select(now, key))
     ]
     if not changed:
         return None

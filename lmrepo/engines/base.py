@@ -39,6 +39,11 @@ class Engine(Protocol):
         """Restores checkpoint `tag`; returns the client state saved with it."""
 
 
+# lmrepo's optimizer names -> torch's classes, for the engines that step a torch optimizer
+# themselves (FSDP2, the torch pipeline); DeepSpeed's engines take lmrepo.ds_config's section.
+TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 

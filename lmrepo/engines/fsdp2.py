@@ -32,12 +32,11 @@ from torch.distributed.tensor import DTensor
 from lmrepo import safe_load
 from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, TrainConfig
 from lmrepo.device import isolate_compile_cache
-from lmrepo.engines.base import to_device
+from lmrepo.engines.base import TORCH_OPTIMIZERS, to_device
 from lmrepo.engines.deepspeed import param_groups
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
 
-TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
 
 

@@ -45,7 +45,7 @@ from torch.distributed.pipelining import (
 
 from lmrepo import safe_load
 from lmrepo.config import CheckpointingConfig, ModelConfig, OptimizerConfig, PipelineConfig
-from lmrepo.engines.base import pipeline_inputs
+from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model, pipe
@@ -132,9 +132,6 @@ def non_reentrant_checkpointing(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module, "_gradient_checkpointing_func", None) is deepspeed.checkpointing.checkpoint:
             module._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-
-
-TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
 class TorchPipelineEngine:
