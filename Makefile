@@ -4,8 +4,11 @@ PY := .venv/bin/python
 ARGS ?=
 
 .PHONY: setup train test lint format docs
+# OPS="shm cpu_adam async_io": also compile those DeepSpeed ops now (scripts/build_ops.py)
+OPS ?=
 setup:
 	bash scripts/setup.sh
+	$(if $(OPS),$(PY) scripts/build_ops.py $(OPS))
 
 train: setup
 	$(PY) train.py $(ARGS)

@@ -140,14 +140,19 @@ def init_distributed(timeout_s: float = 0) -> None:
     DeepSpeed's 10 minutes for the world group and torch's 30 for the others."""
     from datetime import timedelta
 
+    from lmrepo import cpuinfo_cache, ops
+
+    ensure_single_process_env()
+    ops.pin_builds()  # before DeepSpeed reads where its ops are built
+
     import deepspeed
     import torch.distributed.distributed_c10d as c10d
     from deepspeed.accelerator import get_accelerator
 
-    from lmrepo import cpuinfo_cache
     from lmrepo.quiet import quiet_prints
 
-    ensure_single_process_env()
+    ops.announce_builds()
+    ops.skip_unused_ops(world_size())
     # DeepSpeed's CPU all-reduce (its shm comm op) reads LOCAL_SIZE, which only DeepSpeed's own
     # launcher sets: under torchrun or Slurm it stayed off, and DeepSpeed-Inference's all-reduce
     # then ran on its uninitialised buffer (SIGSEGV on every rank; DeepSpeed 0.19.8).

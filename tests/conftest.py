@@ -38,10 +38,9 @@ def pin_op_builds() -> None:
     (tests/tools/g++-for-tests; benchmarks/bench_op_build.py measures it), in a directory of its
     own, since ninja rebuilds an op whose compile command changed and sharing train.py's would
     rebuild them back and forth."""
-    from torch.utils.cpp_extension import _get_build_directory
+    from lmrepo import ops
 
-    # torch's answer for where this machine's ops are built (a py/accelerator-suffixed dir under HOME)
-    ops_dir = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent
+    ops_dir = ops.build_root()  # train.py's, for this interpreter
     if "CXX" not in os.environ:
         os.environ["CXX"] = str(REPO / "tests" / "tools" / "g++-for-tests")
         if "TORCH_EXTENSIONS_DIR" not in os.environ:

@@ -1,0 +1,65 @@
+"""DeepSpeed's JIT-built ops (lmrepo/ops.py): a directory and a ninja per interpreter, a line
+before a build, and no build a single-process run does not use."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO, TINY, assert_ok, run_train
+
+BIN = str(Path(sys.executable).parent)
+
+
+def python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, cwd=REPO)
+
+
+def test_a_single_process_run_compiles_nothing(tmp_path):
+    """Its CPU all-reduce has no one to reduce with: the op is not built (minutes on a new machine)."""
+    proc = run_train(
+        [*TINY, "trainer.max_steps=2", "logger=none"],
+        tmp_path / "run",
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},
+    )
+    assert_ok(proc)
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+    assert "compiling" not in proc.stderr
+
+
+def test_a_build_is_announced_before_it_compiles(tmp_path):
+    """A real build of the CPU all-reduce with a compiler that fails at once: lmrepo's line comes
+    first, naming the op and how to build it ahead."""
+    code = (
+        "from lmrepo import ops; ops.pin_builds(); ops.announce_builds()\n"
+        "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load(verbose=False)"
+    )
+    proc = python(code, {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "false", "LOCAL_RANK": "0"})
+    assert proc.returncode != 0
+    first = next(line for line in proc.stderr.splitlines() if line.startswith("lmrepo:"))
+    assert first.startswith("lmrepo: compiling DeepSpeed's deepspeed_shm_comm op"), proc.stderr[-2000:]
+    assert "make setup OPS=shm" in first
+
+
+def test_builds_are_per_interpreter_with_its_own_ninja(tmp_path):
+    """Started without the venv on PATH (the system's ninja, another version), lmrepo still
+    compiles with the venv's ninja, into a directory named after the venv: no rebuilds back and
+    forth between activated and plain starts, or between checkouts."""
+    if not Path(BIN, "ninja").is_file():
+        pytest.skip("this interpreter has no ninja of its own")
+    plain_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != BIN)
+    code = "import shutil; from lmrepo import ops; ops.pin_builds(); print(shutil.which('ninja'), ops.build_root())"
+    env = {"PATH": plain_path, "TORCH_EXTENSIONS_DIR": "", "XDG_CACHE_HOME": str(tmp_path)}
+    ninja, root = python(code, env).stdout.split()
+    assert ninja == str(Path(BIN, "ninja"))
+    assert Path(root).parent == tmp_path / "torch_extensions"
+    other = python(code.replace("from lmrepo", "import sys; sys.prefix = '/another/venv'; from lmrepo"), env)
+    assert other.stdout.split()[1] != root
+
+
+def test_a_users_directory_is_kept(tmp_path):
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "mine")}
+    code = "import os; from lmrepo import ops; ops.pin_builds(); print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    assert python(code, env).stdout.strip() == str(tmp_path / "mine")
