@@ -253,18 +253,20 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def _save(fig, path: Path, title: str, xlabel: str, ylabel: str) -> None:
+    """Figures use matplotlib's constrained layout, which makes room for long job names instead of
+    warning that tight_layout could not; the legend goes below the axes, not over the lines."""
     ax = fig.axes[0]
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=2 if len(labels) > 4 else 1, fontsize="small")
     fig.savefig(path, dpi=100)
 
 
 def plot_losses(jobs: list[Job], out: Path, x: str, filename: str, xlabel: str) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
     for job in jobs:
         train, evals = _series(job.metrics, "loss"), _series(job.metrics, "eval_loss")
         train, evals = [m for m in train if m.get(x) is not None], [m for m in evals if m.get(x) is not None]
@@ -290,7 +292,7 @@ def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: s
     import matplotlib.pyplot as plt
 
     shown = [row for row in rows if row[column] is not None]  # a job that never logged has no bar
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown) + 2), 5))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown) + 2), 5), layout="constrained")
     ax.bar(range(len(shown)), [row[column] for row in shown])
     ax.set_xticks(range(len(shown)), [row["job"] for row in shown], rotation=20, ha="right", fontsize="small")
     _save(fig, out / filename, f"{ylabel} per job", "", ylabel)
@@ -389,7 +391,7 @@ def plot_trials(study, out: Path, filename: str) -> None:
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if t.value is not None]
     pick = max if study.direction.name == "MAXIMIZE" else min
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
     ax.plot([t.number for t in done], [t.value for t in done], "o", label="trial")
     ax.step(
         [t.number for t in done],
