@@ -175,6 +175,7 @@ def train(cfg: DictConfig, job: Plan) -> dict:
             layout,
             config.trainer.seed,
             config.trainer.eval_batches,
+            config.data.cross_document_attention,
         )
         downstream = Downstream(config.eval, tasks, engine, tokenizer, run_dir) if tasks else None
         loading = time.perf_counter()

@@ -28,6 +28,8 @@ CASES = [
     ("data.num_proc=-1", "data.num_proc=-1"),
     ("data.pathz=[a.txt]", "data.pathz"),
     ("data=text", "data.paths"),
+    ("data.cross_document_attention=maybe", "data.cross_document_attention=maybe"),
+    ("model=bert-tiny data.cross_document_attention=false", "data.cross_document_attention"),
     ("data.paths=corpus.txt", "data.paths"),
     # optimizer
     ("optimizer.lr=abc", "optimizer.lr=abc"),

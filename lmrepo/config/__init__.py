@@ -145,6 +145,8 @@ def load(cfg: DictConfig) -> TrainConfig:
     config.checkpointing.check(config.model.shape()["n_layer"])
     if config.engine.name == EngineName.fsdp2:
         fsdp2_check(config)
+    if not config.data.cross_document_attention:
+        documents_check(config)
     n_positions = config.model.shape()["n_positions"]
     require(
         config.data.block_size <= n_positions,
@@ -152,6 +154,15 @@ def load(cfg: DictConfig) -> TrainConfig:
         "lower data.block_size or raise model.n_positions",
     )
     return config
+
+
+def documents_check(config: TrainConfig) -> None:
+    """Where data.cross_document_attention=false cannot be carried (docs/data.md#document-masking)."""
+    require(
+        config.model.family != Family.bert,
+        "data.cross_document_attention=false keeps causal documents apart; model.family=bert attends both ways "
+        "and has no per-document mask here: choose a gpt2 or llama model, or set data.cross_document_attention=true",
+    )
 
 
 def fsdp2_check(config: TrainConfig) -> None:

@@ -77,6 +77,9 @@ class DataConfig:
     """tokenizer processes (datasets.map)"""
     cache_dir: str = "${oc.env:LMREPO_CACHE,${oc.env:HOME}/.cache/lmrepo}"
     """where token files are kept and reused"""
+    cross_document_attention: bool = True
+    """false: each token attends only within its own document, position ids restart at each document
+    and a document's first token is not predicted from the previous one (GPT-2, Llama; docs/data.md)"""
 
     def check(self) -> None:
         require(self.block_size >= 8, f"data.block_size={self.block_size} must be >= 8")

@@ -21,10 +21,11 @@ from lmrepo.config.data import MIXTURE_PERIOD
 
 
 class TokenBlocks:
-    """Non-overlapping `block_size`-token windows of a memory-mapped token stream."""
+    """Non-overlapping `block_size`-token windows of a memory-mapped token stream, and where
+    documents start within them (`starts`: the stream's sorted document starts, when asked for)."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int):
-        self.tokens, self.block_size = tokens, block_size
+    def __init__(self, tokens: np.ndarray, block_size: int, starts: np.ndarray | None = None):
+        self.tokens, self.block_size, self.starts = tokens, block_size, starts
 
     def __len__(self) -> int:
         return len(self.tokens) // self.block_size
@@ -34,6 +35,12 @@ class TokenBlocks:
 
     def get(self, indices) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.row(i) for i in indices]).astype(np.int64))
+
+    def document_starts(self, index: int) -> np.ndarray:
+        """The positions within the block (1 .. block_size - 1) at which a document starts."""
+        first = index * self.block_size
+        lo, hi = np.searchsorted(self.starts, [first + 1, first + self.block_size])
+        return np.asarray(self.starts[lo:hi], dtype=np.int64) - first
 
 
 class MixtureBlocks(TokenBlocks):
@@ -46,9 +53,17 @@ class MixtureBlocks(TokenBlocks):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def row(self, index: int) -> np.ndarray:
+    def _part(self, index: int) -> tuple[TokenBlocks, int]:
         k = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        return self.parts[k].row(index - int(self.offsets[k]))
+        return self.parts[k], index - int(self.offsets[k])
+
+    def row(self, index: int) -> np.ndarray:
+        part, within = self._part(index)
+        return part.row(within)
+
+    def document_starts(self, index: int) -> np.ndarray:
+        part, within = self._part(index)
+        return part.document_starts(within)
 
 
 # The permutation each stream drew last, by (length, stream seed): (epoch, permutation).

@@ -1,13 +1,15 @@
-"""Model inputs from blocks: causal-LM pairs for GPT-2, dynamically masked MLM batches for BERT."""
+"""Model inputs from blocks: causal-LM pairs for GPT-2 and Llama (optionally one attention span
+per document), dynamically masked MLM batches for BERT."""
 
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DataCollatorForLanguageModeling
 
 from lmrepo.data.batches import MixtureBlocks, MixtureOrder, SampleOrder, TokenBlocks, eval_indices
-from lmrepo.data.prepare import open_tokens
+from lmrepo.data.prepare import open_document_starts, open_tokens
 from lmrepo.errors import ConfigError
 
 
@@ -15,6 +17,26 @@ class CausalInputs:
     def __call__(self, blocks: torch.Tensor, seeds: list[int]) -> dict:
         # transformers shifts the labels inside the model's loss.
         return {"input_ids": blocks, "labels": blocks}
+
+
+def separate_documents(batch: dict, starts: list[np.ndarray]) -> dict:
+    """A causal batch whose documents do not see each other (data.cross_document_attention=false).
+
+    Position ids restart at 0 at every document start (and at the block's first token, which
+    begins a document as far as the model can know). transformers reads restarting `position_ids`
+    with no attention mask and no cache (build_model sets use_cache=False) as packed sequences and
+    gives each its own causal span, for every attention implementation. The first token of each
+    document gets label -100: the model, shifting labels, would otherwise learn to predict it from
+    the previous document's last token. So each document's loss and gradients are exactly those
+    of the document run alone (tests/test_documents.py), and GPT-2's position embeddings see
+    the offsets a document alone would have."""
+    ids = batch["input_ids"]
+    begins = torch.zeros(ids.shape, dtype=torch.bool)
+    for row, positions in enumerate(starts):
+        begins[row, torch.from_numpy(positions)] = True
+    index = torch.arange(ids.shape[1]).expand_as(ids)
+    latest_start = torch.where(begins, index, 0).cummax(dim=1).values
+    return {**batch, "labels": batch["labels"].masked_fill(begins, -100), "position_ids": index - latest_start}
 
 
 class MaskedInputs:
@@ -58,13 +80,21 @@ class LMData:
         layout: Layout,
         seed: int,
         eval_batches: int,
+        cross_document_attention: bool = True,
     ):
         sources = [(Path(sources), 1.0)] if isinstance(sources, (str, Path)) else [(Path(d), w) for d, w in sources]
         # BERT's block holds the [CLS] and [SEP] it adds: block_size is the model's sequence length.
         content = block_size - 2 if family == "bert" else block_size
         self.inputs = MaskedInputs(tokenizer) if family == "bert" else CausalInputs()
-        train = [TokenBlocks(open_tokens(d, "train"), content) for d, _ in sources]
-        val = [TokenBlocks(open_tokens(d, "val"), content) for d, _ in sources]
+        # Document starts are read only when documents are kept apart (config refuses it for BERT).
+        self.separate = not cross_document_attention
+        train, val = (
+            [
+                TokenBlocks(open_tokens(d, split), content, open_document_starts(d, split) if self.separate else None)
+                for d, _ in sources
+            ]
+            for split in ("train", "val")
+        )
         weights = tuple(float(w) for _, w in sources)
         self.layout, self.seed, self.block_tokens = layout, seed, block_size
         if len(sources) > 1:
@@ -101,13 +131,16 @@ class LMData:
 
     def train_step(self, consumed: int) -> list[dict]:
         """The micro batches of the optimizer step that starts after `consumed` samples."""
-        return [
-            self.inputs(self.train_blocks.get(idx), self._sample_seeds(consumed, idx))
-            for idx in self.order.micro_batches(consumed)
-        ]
+        return [self._batch(self.train_blocks, idx, consumed) for idx in self.order.micro_batches(consumed)]
 
     def eval_batches(self) -> list[dict]:
-        return [self.inputs(self.val_blocks.get(idx), self._sample_seeds(-1, idx)) for idx in self.eval_order]
+        return [self._batch(self.val_blocks, idx, -1) for idx in self.eval_order]
+
+    def _batch(self, blocks: TokenBlocks, indices, position: int) -> dict:
+        batch = self.inputs(blocks.get(indices), self._sample_seeds(position, indices))
+        if self.separate:
+            batch = separate_documents(batch, [blocks.document_starts(int(i)) for i in indices])
+        return batch
 
     def _sample_seeds(self, position: int, indices) -> list[int]:
         # hash() of a tuple of ints does not depend on PYTHONHASHSEED.

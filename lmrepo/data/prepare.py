@@ -1,9 +1,11 @@
 """Tokenize a corpus once into memory-mappable token files, reused while corpus and tokenizer are unchanged.
 
-Layout: <cache_dir>/<source>-<fingerprint>/{train.bin, val.bin, meta.json}. Documents are
-joined with the tokenizer's end-of-text (GPT-2) or [SEP] (BERT) token; the last
-`val_fraction` of the stream is held out. Files are written under a temporary name and
-renamed, so an interrupted preparation leaves nothing that looks complete.
+Layout: <cache_dir>/<source>-<fingerprint>/{train.bin, val.bin, train.docs.npy, val.docs.npy,
+meta.json}. Documents are joined with the tokenizer's end-of-text (GPT-2) or [SEP] (BERT) token;
+the last `val_fraction` of the stream is held out. `<split>.docs.npy` holds the offset of every
+document start within its split (after 0), as the tokenizer saw the documents: the separator
+token is not trusted to mark them, since a document's own text may contain it. Files are
+written under a temporary name and renamed, so an interrupted preparation leaves nothing that looks complete.
 
 A mixture (`data=mixture`) is a list of sources, each prepared and cached on its own exactly as
 that data option would be (so a source shared by a plain run and a mixture is tokenized once);
@@ -24,7 +26,9 @@ from tokenizers import Tokenizer
 from lmrepo.data.corpus import load_documents, source_files
 from lmrepo.errors import ConfigError, disk_error
 
-FORMAT_VERSION = 1
+# 2: adds <split>.docs.npy (document starts). The version is part of the fingerprint, so a
+# directory written by an earlier version (without them) is never read as if it had them.
+FORMAT_VERSION = 2
 
 
 def separator_id(tokenizer) -> int:
@@ -124,7 +128,7 @@ def build(data, tokenizer, out: Path) -> None:
 
 
 def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
-    """Writes train.bin and val.bin into `directory`; returns their metadata. `name` (the token
+    """Writes train.bin, val.bin and their document starts into `directory`; returns their metadata. `name` (the token
     directory's, which carries the fingerprint) spares datasets from hashing the tokenizer."""
     import pyarrow.compute as pc
 
@@ -173,12 +177,19 @@ def tokenize(data, tokenizer, directory: Path, name: str) -> dict:
 
 
 def encoded_features():
-    """One row per batch: its ids, and how many documents they hold (an empty document adds no EOS).
+    """One row per batch: its ids, how many documents they hold (an empty document adds no EOS), and
+    the offset just past each of those documents' EOS within the batch's ids.
     uint32 here; write_stream checks each id against the token file's dtype. (datasets and pyarrow
     are imported only to tokenize: a run whose tokens are cached starts half a second sooner.)"""
     import datasets
 
-    return datasets.Features({"ids": datasets.List(datasets.Value("uint32")), "documents": datasets.Value("int64")})
+    return datasets.Features(
+        {
+            "ids": datasets.List(datasets.Value("uint32")),
+            "documents": datasets.Value("int64"),
+            "ends": datasets.List(datasets.Value("int64")),
+        }
+    )
 
 
 def encode(batch: dict, backend: Tokenizer, sep: int) -> dict:
@@ -187,17 +198,19 @@ def encode(batch: dict, backend: Tokenizer, sep: int) -> dict:
     starts, ends = batch.get("start", [True] * len(texts)), batch.get("end", [True] * len(texts))
     # encode_batch_fast: the ids without character offsets, which we would throw away
     encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
-    pieces, documents = [], 0
+    pieces, document_ends, count = [], [], 0
     for encoding, start, end in zip(encodings, starts, ends):
         piece = encoding.ids
         pieces.append(piece)
+        count += len(piece)
         if end and (piece or not start):
             pieces.append([sep])
-            documents += 1
-    count = sum(map(len, pieces))
+            count += 1
+            document_ends.append(count)
     return {
         "ids": [np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.uint32, count=count)],
-        "documents": [documents],
+        "documents": [len(document_ends)],
+        "ends": [document_ends],
     }
 
 
@@ -212,15 +225,16 @@ def batch_rows(docs) -> int:
 
 def write_stream(tokens, directory: Path, dtype, n_train: int, n_val: int, tokenizer_name: str) -> None:
     """Streams the tokenized batches into train.bin then val.bin, one batch (an Arrow array
-    memory-mapped from disk) at a time."""
+    memory-mapped from disk) at a time, and the document starts of each split into <split>.docs.npy."""
     import pyarrow.compute as pc
 
     train = np.memmap(directory / "train.bin", dtype=dtype, mode="w+", shape=(n_train,))
     val = np.memmap(directory / "val.bin", dtype=dtype, mode="w+", shape=(n_val,))
     limit = np.iinfo(dtype).max
-    offset = 0
+    offset, starts = 0, [np.empty(0, dtype=np.int64)]
     for table in tokens.with_format("arrow").iter(batch_size=1):
         ids = pc.list_flatten(table.column("ids")).to_numpy()
+        starts.append(offset + pc.list_flatten(table.column("ends")).to_numpy().astype(np.int64))
         if len(ids) and ids.max() > limit:
             raise ConfigError(
                 f"tokenizer {tokenizer_name} produced token id {ids.max()}, which does not fit the "
@@ -237,6 +251,10 @@ def write_stream(tokens, directory: Path, dtype, n_train: int, n_val: int, token
         offset = end
     train.flush()
     val.flush()
+    starts = np.concatenate(starts)
+    # Starts strictly inside a split: 0 starts every split, and the stream's end starts nothing.
+    np.save(directory / "train.docs.npy", starts[(starts > 0) & (starts < n_train)])
+    np.save(directory / "val.docs.npy", starts[(starts > n_train) & (starts < n_train + n_val)] - n_train)
 
 
 def load_meta(directory: Path) -> dict:
@@ -246,6 +264,17 @@ def load_meta(directory: Path) -> dict:
 def open_tokens(directory: Path, split: str) -> np.ndarray:
     meta = load_meta(directory)
     return np.memmap(directory / f"{split}.bin", dtype=meta["dtype"], mode="r")
+
+
+def open_document_starts(directory: Path, split: str) -> np.ndarray:
+    """The sorted token offsets at which a document starts within the split (0 left implicit)."""
+    path = directory / f"{split}.docs.npy"
+    if load_meta(directory)["format"] < 2 or not path.exists():
+        raise ConfigError(
+            f"{directory} holds tokens without document boundaries (an older lmrepo wrote it): delete it "
+            "so that it is prepared again, or set data.cross_document_attention=true"
+        )
+    return np.load(path, mmap_mode="r")
 
 
 def prepare_sources(data, tokenizer) -> list[tuple[Path, float]]:

@@ -49,5 +49,11 @@ def to_device(batch: dict, device) -> dict:
 
 
 def pipeline_inputs(batches: list[dict]):
-    """A pipeline feeds its first stage the inputs and its last stage the labels."""
-    return iter([(batch["input_ids"], batch["labels"]) for batch in batches])
+    """A pipeline feeds its first stage the inputs and its last stage the labels. Packed documents
+    kept apart (data.cross_document_attention=false) send their position ids along with the
+    input ids, and each stage passes them on with the hidden states (lmrepo.models.pipe)."""
+    return iter([(stage_inputs(batch), batch["labels"]) for batch in batches])
+
+
+def stage_inputs(batch: dict):
+    return (batch["input_ids"], batch["position_ids"]) if "position_ids" in batch else batch["input_ids"]

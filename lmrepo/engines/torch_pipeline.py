@@ -96,7 +96,9 @@ class Chunk(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict({str(index): layer for index, layer in layers.items()})
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs):
+        # several inputs: (hidden states, position ids) of packed documents (lmrepo.models.pipe)
+        hidden = inputs[0] if len(inputs) == 1 else inputs
         for layer in self.layers.values():
             hidden = layer(hidden)
         return hidden
@@ -251,10 +253,12 @@ class TorchPipelineEngine:
         """One pass of `schedule` over `micro_batches` (inputs, labels) pairs; the mean loss of the
         micro-batches on the last stage, averaged over the replicas and sent to every stage."""
         pairs = [next(data_iter) for _ in range(micro_batches)]
-        inputs = torch.cat([p[0] for p in pairs]).to(self.device)
+        # inputs: input ids, or (input ids, position ids) of packed documents, as separate arguments
+        inputs = [p[0] if isinstance(p[0], tuple) else (p[0],) for p in pairs]
+        inputs = tuple(torch.cat(part).to(self.device) for part in zip(*inputs))
         labels = torch.cat([p[1] for p in pairs]).to(self.device)
         first, last = 0 in self.chunk_ids, len(self.parts) - 2 in self.chunk_ids
-        args = (inputs,) if first else ()
+        args = inputs if first else ()
         losses = []
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             run = schedule.step if train else schedule.eval

@@ -7,7 +7,10 @@ and its checkpoints map back to the transformers parameter names (`hf_names`). T
 output embeddings are one tied layer ("embed"): DeepSpeed keeps a copy on the first and the
 last stage and all-reduces their gradients (TiedLayerSpec).
 
-Every layer takes and returns one tensor: the pipeline sends it from stage to stage.
+Every layer takes and returns one tensor, the pipeline sends it from stage to stage; except that
+GPT-2's layers up to its final norm take and return (tensor, position_ids) when the batch keeps
+its documents apart (data.cross_document_attention=false): each block then builds transformers'
+per-document mask from the restarting position ids, as GPT2Model does.
 """
 
 import torch
@@ -20,14 +23,23 @@ from transformers.masking_utils import create_causal_mask
 # --- GPT-2 ---------------------------------------------------------------------------------
 
 
+def with_positions(inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tensor, position_ids) from a layer's input: the pair, or one tensor (positions None)."""
+    return inputs if isinstance(inputs, tuple) else (inputs, None)
+
+
 class GPT2EmbeddingPipe(nn.Module):
     def __init__(self, transformer):
         super().__init__()
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
+    def forward(self, inputs):
+        input_ids, positions = with_positions(inputs)
+        given = positions is not None
+        if not given:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = self.drop(self.wte(input_ids) + self.wpe(positions))
+        return (hidden, positions) if given else hidden
 
 
 def gpt2_logits(embedding: GPT2EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -40,13 +52,18 @@ class GPT2BlockPipe(nn.Module):
         super().__init__()
         self.block, self.config = block, config
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        # The mask GPT2Model builds for an unpadded block (None under SDPA: is_causal does it).
+    def forward(self, inputs):
+        hidden, positions = with_positions(inputs)
+        given = positions is not None
+        if not given:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # The mask GPT2Model builds for an unpadded block (None under SDPA: is_causal does it), or
+        # for packed documents (restarting positions: one causal span per document).
         mask = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
         )
-        return self.block(hidden, None, mask, position_ids=positions)
+        out = self.block(hidden, None, mask, position_ids=positions)
+        return (out, positions) if given else out
 
 
 class NormPipe(nn.Module):
@@ -57,8 +74,9 @@ class NormPipe(nn.Module):
         super().__init__()
         self.norm = norm
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+    def forward(self, inputs) -> torch.Tensor:
+        # the positions end here: the LM head and the loss need the hidden states only
+        return self.norm(with_positions(inputs)[0])
 
 
 def gpt2_layers(net) -> list:
