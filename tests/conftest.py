@@ -74,6 +74,7 @@ HEAVIEST_FIRST = (
     "test_evaluate.py",
     "test_faults.py",
     "test_fsdp2.py",
+    "test_optimizers.py",
     "test_pipeline.py",
     "test_readme.py",
     "test_train.py",
