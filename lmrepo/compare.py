@@ -25,7 +25,7 @@ COLUMNS = [
     "wall s",
     "status",
 ]
-PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png")
+PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png", "lr_vs_step.png")
 
 
 class CompareError(Exception):
@@ -286,6 +286,20 @@ def plot_losses(jobs: list[Job], out: Path, x: str, filename: str, xlabel: str) 
     plt.close(fig)
 
 
+def plot_lr(jobs: list[Job], out: Path, filename: str) -> None:
+    """Each job's learning rate per step: what tells schedules (cosine, wsd's stable and decay
+    phases) apart when their losses are compared. Muon's jobs log the lr of its hidden matrices."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for job in jobs:
+        train = [m for m in _series(job.metrics, "lr") if m.get("step") is not None]
+        if train:
+            ax.plot([m["step"] for m in train], [m["lr"] for m in train], label=job.name)
+    _save(fig, out / filename, "learning rate vs step", "step", "learning rate")
+    plt.close(fig)
+
+
 def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: str) -> None:
     import matplotlib.pyplot as plt
 
@@ -301,7 +315,7 @@ def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: s
 
 
 def report(jobs: list[Job], out: Path) -> str:
-    """Writes out/compare.md and the four plots; returns the table."""
+    """Writes out/compare.md and the plots (PLOTS); returns the table."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a training node
@@ -314,6 +328,7 @@ def report(jobs: list[Job], out: Path) -> str:
     plot_losses(jobs, out, "elapsed_s", PLOTS[1], "wall time (s)")
     plot_bars(rows, out, "tokens/s", PLOTS[2], "tokens/s (median)")
     plot_bars(rows, out, "peak mem GB", PLOTS[3], "peak memory (GB)")
+    plot_lr(jobs, out, PLOTS[4])
     return table
 
 

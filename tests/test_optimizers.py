@@ -178,3 +178,28 @@ def test_muon_zero2_equals_zero0_and_wsd_resumes_mid_decay(launch2):
     assert lrs[2] < 0.02 and lrs[2] > lrs[3] > lrs[4] > lrs[5]  # step 3, the checkpoint, is mid-decay
     after = [(m["step"], m["loss"], m["lr"]) for m in lines2 if m["step"] > 3]
     assert [(m["step"], m["loss"], m["lr"]) for m in read_metrics(resumed) if "loss" in m] == after  # bit for bit
+
+
+def test_a_json_names_the_wsd_scheduler_with_lmrepos_autos(tmp_path):
+    """DeepSpeed has no warmup-stable-decay scheduler; a user's JSON names lmrepo's as it names
+    DeepSpeed's, "auto" standing for lmrepo's values (schedule=wsd's keys)."""
+    section = {
+        "type": "WarmupStableDecayLR",
+        "params": {k: "auto" for k in ("total_num_steps", "warmup_num_steps", "decay_num_steps", "min_ratio")},
+    }
+    section["params"]["decay_type"] = "cosine"
+    path = tmp_path / "wsd.json"
+    path.write_text(json.dumps({"scheduler": section}))
+    overrides = [f"deepspeed_config={path}", "trainer.max_steps=50", "schedule.warmup_steps=5"]
+    ds, changed = validate(compose_config([*overrides, "schedule.decay_fraction=0.2"]), 1, CPU)
+    assert ds["scheduler"] == {
+        "type": "WarmupStableDecayLR",
+        "params": {
+            "total_num_steps": 50,
+            "warmup_num_steps": 5,
+            "decay_num_steps": 10,
+            "min_ratio": 0.1,  # schedule=cosine's min_lr_ratio: the JSON chose the schedule
+            "decay_type": "cosine",
+        },
+    }
+    assert changed == ["scheduler"]

@@ -119,11 +119,11 @@ class DeepSpeedEngine:
             )
         else:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        # DeepSpeed's ZeRO writes Muon's orthogonalised update into the gradient before it takes
-        # the norm: that norm is not the gradient's, so the metrics line leaves grad_norm out.
-        self.norm_is_the_update = bool(
-            ds_engine.zero_optimization() and type(ds_engine.basic_optimizer).__name__ == "MuonWithAuxAdam"
-        )
+        # DeepSpeed's ZeRO optimizers write Muon's orthogonalised update into the gradient before
+        # they take the norm: not the gradient's norm, so the metrics line leaves grad_norm out.
+        self.norm_is_the_update = type(ds_engine.basic_optimizer).__name__ == "MuonWithAuxAdam" and type(
+            ds_engine.optimizer
+        ).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
 
     @property
     def module(self) -> torch.nn.Module:
