@@ -287,16 +287,18 @@ def plot_losses(jobs: list[Job], out: Path, x: str, filename: str, xlabel: str) 
 
 
 def plot_lr(jobs: list[Job], out: Path, filename: str) -> None:
-    """Each job's learning rate per step: what tells schedules (cosine, wsd's stable and decay
-    phases) apart when their losses are compared. Muon's jobs log the lr of its hidden matrices."""
+    """Each job's learning rate per step as a fraction of its peak: what tells schedules (cosine,
+    wsd's stable and decay phases) apart when their losses are compared, on one scale whatever
+    the optimizer's rate (Muon's jobs log its hidden matrices' rate, on another scale than AdamW's)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for job in jobs:
         train = [m for m in _series(job.metrics, "lr") if m.get("step") is not None]
-        if train:
-            ax.plot([m["step"] for m in train], [m["lr"] for m in train], label=job.name)
-    _save(fig, out / filename, "learning rate vs step", "step", "learning rate")
+        peak = max((m["lr"] for m in train), default=0)
+        if peak > 0:
+            ax.plot([m["step"] for m in train], [m["lr"] / peak for m in train], label=job.name)
+    _save(fig, out / filename, "learning rate vs step", "step", "learning rate / its peak")
     plt.close(fig)
 
 
