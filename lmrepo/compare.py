@@ -25,7 +25,7 @@ COLUMNS = [
     "wall s",
     "status",
 ]
-PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png")
+PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png", "lr_vs_step.png")
 
 
 class CompareError(Exception):
@@ -288,6 +288,22 @@ def plot_losses(jobs: list[Job], out: Path, x: str, filename: str, xlabel: str) 
     plt.close(fig)
 
 
+def plot_lr(jobs: list[Job], out: Path, filename: str) -> None:
+    """Each job's learning rate per step as a fraction of its peak: what tells schedules (cosine,
+    wsd's stable and decay phases) apart when their losses are compared, on one scale whatever
+    the optimizer's rate (Muon's jobs log its hidden matrices' rate, on another scale than AdamW's)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for job in jobs:
+        train = [m for m in _series(job.metrics, "lr") if m.get("step") is not None]
+        peak = max((m["lr"] for m in train), default=0)
+        if peak > 0:
+            ax.plot([m["step"] for m in train], [m["lr"] / peak for m in train], label=job.name)
+    _save(fig, out / filename, "learning rate vs step", "step", "learning rate / its peak")
+    plt.close(fig)
+
+
 def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: str) -> None:
     import matplotlib.pyplot as plt
 
@@ -303,7 +319,7 @@ def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: s
 
 
 def report(jobs: list[Job], out: Path) -> str:
-    """Writes out/compare.md and the four plots; returns the table."""
+    """Writes out/compare.md and the plots (PLOTS); returns the table."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a training node
@@ -316,6 +332,7 @@ def report(jobs: list[Job], out: Path) -> str:
     plot_losses(jobs, out, "elapsed_s", PLOTS[1], "wall time (s)")
     plot_bars(rows, out, "tokens/s", PLOTS[2], "tokens/s (median)")
     plot_bars(rows, out, "peak mem GB", PLOTS[3], "peak memory (GB)")
+    plot_lr(jobs, out, PLOTS[4])
     return table
 
 

@@ -79,8 +79,10 @@ def _whole(value):
     return int(value) if isinstance(value, float) else value
 
 
-def zero_section(zero: ZeroConfig, offload: OffloadConfig) -> dict:
+def zero_section(zero: ZeroConfig, offload: OffloadConfig, optimizer: OptimizerName = OptimizerName.adamw) -> dict:
     section = {k: _whole(v) for k, v in to_dict(zero).items() if v is not None}
+    if optimizer == OptimizerName.muon and zero.stage == 3 and zero.reduce_scatter is None:
+        section["reduce_scatter"] = False  # DeepSpeed's Muon under ZeRO-3 needs whole gradients
     if offload.target == OffloadTarget.none:
         return section
     device = {"device": str(offload.target), "pin_memory": offload.pin_memory}
@@ -96,11 +98,20 @@ def zero_section(zero: ZeroConfig, offload: OffloadConfig) -> dict:
 
 
 # lmrepo's optimizer names -> DeepSpeed's `optimizer` section.
-DEEPSPEED_OPTIMIZERS = {OptimizerName.adamw: ("AdamW", {}), OptimizerName.adam: ("Adam", {"adam_w_mode": False})}
+DEEPSPEED_OPTIMIZERS = {
+    OptimizerName.adamw: ("AdamW", {}),
+    OptimizerName.adam: ("Adam", {"adam_w_mode": False}),
+    OptimizerName.muon: ("Muon", {}),
+}
 
 
 def optimizer_section(optimizer: OptimizerConfig) -> dict:
     kind, extra = DEEPSPEED_OPTIMIZERS[optimizer.name]
+    if optimizer.name == OptimizerName.muon:
+        # DeepSpeed's Muon: lr/momentum/ns_method for its Muon half, adam_lr/betas/eps for its AdamW
+        # half, weight_decay for both (lmrepo's parameter groups keep it off biases and norms).
+        extra = {"muon_lr": optimizer.lr, "adam_lr": optimizer.adam_lr, "momentum": optimizer.momentum}
+        extra["ns_method"] = str(optimizer.ns_method)
     return {
         "type": kind,
         "params": {
@@ -124,6 +135,10 @@ def prefer_torch_adam_on_cpu(ds: dict, device_type: str) -> None:
     a subprocess. torch's fused AdamW computes the same update at the
     same speed on a CPU (benchmarks/bench_optimizer.py), so the CPU uses it. GPUs and CPU offload
     (DeepSpeedCPUAdam, what offload=cpu means) keep DeepSpeed's ops; a JSON that says torch_adam wins."""
+    optimizer = ds.get("optimizer") or {}
+    if device_type == "cpu" and str(optimizer.get("type", "")).lower() == "muon" and not _offloaded(ds):
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)  # the AdamW half of Muon
+        return
     params = _adam_params(ds) if device_type == "cpu" else None
     if params is None or "torch_adam" in params:
         return
@@ -136,10 +151,13 @@ def prefer_torch_adam_on_cpu(ds: dict, device_type: str) -> None:
 def _adam_params(ds: dict) -> dict | None:
     """The optimizer params of a non-offloaded Adam/AdamW section, or None."""
     optimizer = ds.get("optimizer") or {}
-    offloaded = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    if offloaded or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+    if _offloaded(ds) or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
         return None
     return optimizer.setdefault("params", {})
+
+
+def _offloaded(ds: dict) -> bool:
+    return ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
 
 
 def continue_with_saved_adam(ds: dict, saved: dict) -> str | None:
@@ -158,6 +176,11 @@ def continue_with_saved_adam(ds: dict, saved: dict) -> str | None:
     return "lmrepo: resuming with DeepSpeed's FusedAdam, which wrote the checkpoint's optimizer state"
 
 
+# lmrepo's warmup-stable-decay scheduler (lmrepo.schedules), named in DeepSpeed's style so that a
+# user's JSON can name it as it names DeepSpeed's.
+WSD = "WarmupStableDecayLR"
+
+
 def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> dict:
     """`schedule.warmup_steps` must be resolved (not null) by now."""
     # DeepSpeed's schedulers need at least one warmup step: no warmup = one "warmup" step at full lr.
@@ -174,11 +197,26 @@ def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> di
                 "cos_min_ratio": schedule.min_lr_ratio,
             },
         }
+    if schedule.name == Decay.wsd:
+        # DeepSpeed has no warmup-stable-decay scheduler: every engine builds lmrepo's from this section.
+        return {"type": WSD, "params": wsd_params(schedule, max_steps)}
     # WarmupLR / WarmupDecayLR take absolute learning rates.
     lrs = {"warmup_min_lr": start_ratio * lr, "warmup_max_lr": lr}
     if schedule.name == Decay.linear:
         return {"type": "WarmupDecayLR", "params": {**warmup, **lrs, "total_num_steps": max_steps}}
     return {"type": "WarmupLR", "params": {**warmup, **lrs}}
+
+
+def wsd_params(schedule: ScheduleConfig, max_steps: int) -> dict:
+    """WarmupStableDecayLR's params for a resolved schedule (also what a JSON's "auto" means)."""
+    return {
+        "total_num_steps": max_steps,
+        "warmup_num_steps": schedule.warmup_steps,
+        "decay_num_steps": schedule.decay_steps(max_steps),
+        "decay_type": str(schedule.decay_shape),
+        "warmup_min_ratio": 0.0,
+        "min_ratio": schedule.min_lr_ratio,
+    }
 
 
 def activation_checkpointing_section(checkpointing: CheckpointingConfig) -> dict:
@@ -213,7 +251,7 @@ def build_ds_config(config: TrainConfig, dp_size: int) -> dict:
         "optimizer": optimizer_section(config.optimizer),
         "scheduler": scheduler_section(config.schedule, config.optimizer.lr, trainer.max_steps),
         **precision_section(config.precision),
-        "zero_optimization": zero_section(config.zero, config.offload),
+        "zero_optimization": zero_section(config.zero, config.offload, config.optimizer.name),
         **activation_checkpointing_section(config.checkpointing),
         **tensor_parallel_section(config.tp),
         # lmrepo logs its own metrics; DeepSpeed's periodic prints would interleave with them.

@@ -80,6 +80,8 @@ def check_deepspeed(
             )
         except ConfigError as err:
             raise ConfigError(f"deepspeed_config={user.path}: {err}") from None
+    if str(ds.get("optimizer", {}).get("type", "")).lower() == "muon":
+        check_muon(ds, pipeline, fix)
     schedule = pipeline.schedule
     if pipeline.engine == "deepspeed":
         require(
@@ -101,6 +103,42 @@ def check_deepspeed(
         )
         require(optimizer_offload == "none", f"{where} does not offload: set offload=none, or pipeline=1f1b")
         require(not fp16, f"{where} runs fp32 or bf16: set precision=bf16, or pipeline=1f1b for fp16")
+
+
+def check_muon(ds: dict, pipeline: PipelineConfig, fix) -> None:
+    """DeepSpeed's Muon (lmrepo's optimizer=muon, or a JSON's "Muon") where it means what lmrepo
+    says: whole matrices orthogonalised, trainer.grad_clip clipping the gradient at every stage,
+    each half of the parameters at its own learning rate."""
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    other = "or optimizer=adamw"
+    require(
+        pipeline.schedule == "none",
+        f"optimizer=muon runs on DeepSpeed's engine without a pipeline (each stage would need its own "
+        f"Muon/AdamW split and checkpoint layout, not offered yet): choose pipeline=none, {other}",
+    )
+    require(
+        ds.get("tensor_parallel", {}).get("autotp_size", 1) <= 1,
+        f"optimizer=muon with tp=auto would orthogonalise each rank's shard of a matrix, not the matrix: "
+        f"choose tp=none, {other}",
+    )
+    require(
+        stage == 0 or not ds.get("gradient_clipping"),
+        f"optimizer=muon with ZeRO stage {stage}: DeepSpeed's ZeRO clips Muon's orthogonalised update there, "
+        f"not the gradient, so trainer.grad_clip would not mean what it means at stage 0: "
+        f"{fix('gradient_clipping', 'set trainer.grad_clip=0, or zero=stage0')}",
+    )
+    require(
+        stage != 3 or not ds["zero_optimization"].get("reduce_scatter", True),
+        f"DeepSpeed's Muon under ZeRO-3 needs whole gradients (no reduce-scatter): "
+        f"{fix('zero_optimization.reduce_scatter', 'set zero.reduce_scatter=false, or leave it null')}",
+    )
+    scheduler = ds.get("scheduler", {}).get("type")
+    require(
+        scheduler not in ("WarmupLR", "WarmupDecayLR"),
+        f"{scheduler} sets one absolute learning rate for every parameter group, and Muon's two halves have "
+        f"their own (optimizer.lr, optimizer.adam_lr): "
+        f"{fix('scheduler', 'choose schedule=cosine or schedule=wsd (decay_fraction=0: constant, 1: linear decay)')}",
+    )
 
 
 def check_nvme_path(path: str | None, key: str = "offload.nvme_path") -> None:

@@ -15,7 +15,7 @@ from collections.abc import KeysView
 from pathlib import Path
 
 from lmrepo.config import TrainConfig
-from lmrepo.ds_config import batch_of, resolve_batch
+from lmrepo.ds_config import batch_of, resolve_batch, wsd_params
 from lmrepo.errors import ConfigError, require
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -108,6 +108,7 @@ def schedule_values(config: TrainConfig) -> dict:
     lr, warmup, steps = config.optimizer.lr, config.schedule.warmup_steps, config.trainer.max_steps
     floor = lr * config.schedule.min_lr_ratio
     return {
+        **wsd_params(config.schedule, steps),  # lmrepo's WarmupStableDecayLR (schedule.decay_fraction, ...)
         "warmup_min_lr": 0.0 if warmup else lr,
         "warmup_max_lr": lr,
         "warmup_num_steps": max(1, warmup),

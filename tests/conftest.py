@@ -73,6 +73,7 @@ HEAVIEST_FIRST = (
     "test_evaluate.py",
     "test_faults.py",
     "test_fsdp2.py",
+    "test_optimizers.py",
     "test_pipeline.py",
     "test_documents.py",
     "test_readme.py",

@@ -37,11 +37,14 @@ CASES = [
     ("optimizer.betas=0.9", "optimizer.betas=0.9"),
     ("optimizer.betas=[0.9]", "optimizer.betas"),
     ("optimizer.name=lion", "optimizer.name=lion"),
-    ("optimizer.momentum=0.9", "optimizer.momentum"),
+    ("optimizer.momentum=1.5", "optimizer.momentum=1.5"),
+    ("optimizer.nesterov=false", "optimizer.nesterov"),
     # schedule
     ("schedule.warmup_steps=1.5", "schedule.warmup_steps=1.5"),
     ("schedule.warmup_steps=-1", "schedule.warmup_steps=-1"),
     ("schedule.min_lr_ratio=2", "schedule.min_lr_ratio=2"),
+    ("schedule.decay_fraction=1.5", "schedule.decay_fraction=1.5"),
+    ("schedule.decay_shape=sqrt", "schedule.decay_shape=sqrt"),
     ("schedule.decay=cosine", "schedule.decay"),
     ("schedule=step", "schedule=step"),
     # trainer (and the keys that moved out of it)

@@ -65,7 +65,7 @@ def test_compare_writes_table_and_plots(sweep, tmp_path):
     assert failed[-1].startswith("failed: lmrepo: error:") and "zero=stage3" in failed[-1]
     assert failed[1:10] == ["-"] * 9
 
-    for name in ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png"):
+    for name in ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png", "lr_vs_step.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
 

@@ -261,7 +261,13 @@ def test_checkpointing_torch_impl_has_no_section(option):
 
 
 @pytest.mark.parametrize(
-    "decay, scheduler", [("cosine", "WarmupCosineLR"), ("linear", "WarmupDecayLR"), ("constant", "WarmupLR")]
+    "decay, scheduler",
+    [
+        ("cosine", "WarmupCosineLR"),
+        ("linear", "WarmupDecayLR"),
+        ("constant", "WarmupLR"),
+        ("wsd", "WarmupStableDecayLR"),
+    ],
 )
 def test_scheduler_per_lr_decay(decay, scheduler):
     ds = ds_for([f"schedule={decay}", "trainer.max_steps=77", "schedule.warmup_steps=5"])
@@ -273,10 +279,14 @@ def test_scheduler_per_lr_decay(decay, scheduler):
 
 
 def assert_deepspeed_accepts_scheduler(section: dict) -> None:
-    """DeepSpeed builds the scheduler as `cls(optimizer, **params)`: every param must be a keyword of cls."""
+    """DeepSpeed builds the scheduler as `cls(optimizer, **params)`: every param must be a keyword of cls
+    (lmrepo's own WarmupStableDecayLR, which DeepSpeed lacks, is built the same way by lmrepo)."""
     from deepspeed.runtime import lr_schedules
 
-    inspect.signature(getattr(lr_schedules, section["type"])).bind(None, **section["params"])
+    from lmrepo.schedules import WSD, WarmupStableDecayLR
+
+    kind = WarmupStableDecayLR if section["type"] == WSD else getattr(lr_schedules, section["type"])
+    inspect.signature(kind).bind(None, **section["params"])
 
 
 @pytest.mark.parametrize("dp", [1, 2])

@@ -186,6 +186,11 @@ def fsdp2_check(config: TrainConfig) -> None:
     )
     require(config.pipeline.schedule == "none", f"engine=fsdp2 runs without a pipeline: choose pipeline=none, {other}")
     require(
+        config.optimizer.name != "muon",
+        "optimizer=muon orthogonalises whole matrices and engine=fsdp2 keeps each one sharded across the ranks "
+        f"(not offered yet): choose optimizer=adamw, {other}",
+    )
+    require(
         config.tp.mode == TPMode.none,
         f"engine=fsdp2 with tensor parallelism (a 2-D mesh) is not offered: choose tp=none, {other}",
     )

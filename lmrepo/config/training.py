@@ -11,20 +11,34 @@ from lmrepo.errors import require
 class OptimizerName(StrEnum):
     adamw = "adamw"
     adam = "adam"
+    muon = "muon"
+
+
+class NSMethod(StrEnum):
+    standard = "standard"
+    gram = "gram"
 
 
 @dataclass
 class OptimizerConfig:
     name: OptimizerName = OptimizerName.adamw
-    """adamw (decoupled weight decay) | adam (L2 penalty in the gradient)"""
+    """adamw (decoupled weight decay) | adam (L2 penalty in the gradient) | muon (hidden matrices, AdamW the rest)"""
     lr: float = 1.0e-3
-    """peak learning rate"""
+    """peak learning rate (muon: of the hidden matrices, in Keller Jordan's units)"""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    """Adam's moment decay rates [beta1, beta2]"""
+    """Adam's moment decay rates [beta1, beta2] (muon: of its AdamW)"""
     eps: float = 1.0e-8
-    """Adam's denominator epsilon"""
+    """Adam's denominator epsilon (muon: of its AdamW)"""
     weight_decay: float = 0.1
     """decay on matrices (linear and embedding weights), not on biases and norms"""
+    adam_lr: float = 1.0e-3
+    """muon: peak learning rate of its AdamW (embeddings, LM head, norms, biases)"""
+    momentum: float = 0.95
+    """muon: momentum of the hidden matrices' updates (Nesterov, 5 Newton-Schulz steps: DeepSpeed's, fixed)"""
+    ns_method: NSMethod = NSMethod.standard
+    """muon: standard (Keller Jordan's quintic Newton-Schulz, bf16) | gram (DeepSpeed's Gram iteration, fp16)"""
+    compile: Optional[bool] = None
+    """muon: torch.compile its update; null = on CUDA only (on a CPU the compile costs more than it saves)"""
 
     def check(self) -> None:
         require(math.isfinite(self.lr) and self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
@@ -34,12 +48,21 @@ class OptimizerConfig:
         )
         require(self.eps > 0, f"optimizer.eps={self.eps} must be > 0")
         require(self.weight_decay >= 0, f"optimizer.weight_decay={self.weight_decay} must be >= 0")
+        require(math.isfinite(self.adam_lr) and self.adam_lr > 0, f"optimizer.adam_lr={self.adam_lr} must be > 0")
+        require(0 <= self.momentum < 1, f"optimizer.momentum={self.momentum} must be in [0, 1)")
 
 
 class Decay(StrEnum):
     cosine = "cosine"
     linear = "linear"
     constant = "constant"
+    wsd = "wsd"
+
+
+class DecayShape(StrEnum):
+    linear = "linear"
+    cosine = "cosine"
+    one_minus_sqrt = "one_minus_sqrt"
 
 
 # schedule.warmup_steps=null: this fraction of the run, at most WARMUP_CAP steps (the 300-step
@@ -51,11 +74,18 @@ WARMUP_CAP = 30
 @dataclass
 class ScheduleConfig:
     name: Decay = Decay.cosine
-    """after warmup: cosine (to lr x min_lr_ratio), linear (to 0), constant"""
+    """after warmup: cosine (to lr x min_lr_ratio), linear (to 0), constant, wsd (stable, then decay_fraction decays)"""
     warmup_steps: Optional[int] = None
     """linear warmup from 0, in optimizer steps; null = 10% of trainer.max_steps, at most 30"""
     min_lr_ratio: float = 0.1
-    """cosine: the final learning rate as a fraction of optimizer.lr"""
+    """cosine, wsd: the final learning rate as a fraction of optimizer.lr"""
+    decay_fraction: float = 0.2
+    """wsd: the last fraction of trainer.max_steps, in which the rate decays (never inside the warmup)"""
+    decay_shape: DecayShape = DecayShape.one_minus_sqrt
+    """wsd: linear | cosine | one_minus_sqrt (1 - sqrt(progress), Hägele et al. 2024)"""
+
+    def decay_steps(self, max_steps: int) -> int:
+        return round(self.decay_fraction * max_steps)
 
     def resolved_warmup(self, max_steps: int) -> int:
         if self.warmup_steps is not None:
@@ -69,6 +99,11 @@ class ScheduleConfig:
             "lower it, or leave it out (null: 10% of the run)",
         )
         require(0 <= self.min_lr_ratio <= 1, f"schedule.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        require(
+            0 <= self.decay_fraction <= 1,
+            f"schedule.decay_fraction={self.decay_fraction} must be in [0, 1] "
+            "(0 = no decay, 1 = decay from the warmup's end)",
+        )
 
 
 class DeviceChoice(StrEnum):

@@ -36,4 +36,20 @@ def build_engine(config: TrainConfig, ds_config: dict) -> Engine:
         return deepspeed_pipeline.build(config.model, config.checkpointing, pipeline, ds_config)
     from lmrepo.engines import deepspeed
 
-    return deepspeed.build(config.model, config.checkpointing, ds_config, compile=config.trainer.compile)
+    return deepspeed.build(
+        config.model,
+        config.checkpointing,
+        ds_config,
+        compile=config.trainer.compile,
+        compile_muon=compile_muon(config.optimizer.compile),
+    )
+
+
+def compile_muon(choice: bool | None) -> bool:
+    """optimizer.compile: null compiles Muon's update on CUDA only, where its steps are many and
+    its matrices large; on a CPU the first step's compile costs more than it saves."""
+    if choice is not None:
+        return choice
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cuda"

@@ -1,5 +1,6 @@
 """DeepSpeed's engine around a plain transformers model: ZeRO 0-3, offload, precision, AutoTP."""
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from lmrepo.device import isolate_compile_cache
 from lmrepo.engines.base import to_device
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
+from lmrepo.muon import compile_muon_update, muon_parameters
+from lmrepo.schedules import client_scheduler
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -27,13 +30,43 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def initialize(model: torch.nn.Module, ds_config: dict, mpu=None):
-    """deepspeed.initialize with lmrepo's parameter groups; the weight decay is the final dict's."""
+def initialize(model: torch.nn.Module, ds_config: dict, mpu=None, compile_muon: bool = False):
+    """deepspeed.initialize with lmrepo's parameter groups (the weight decay is the final dict's),
+    lmrepo's Muon/AdamW split when the optimizer is Muon, and, for a scheduler type DeepSpeed does
+    not have, lmrepo's scheduler."""
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, weight_decay), config=ds_config, mpu=mpu
-    )
+    muon = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    if muon:
+        compile_muon_update(compile_muon)
+    with muon_roles(model) if muon else contextlib.nullcontext():
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, weight_decay),
+            config=ds_config,
+            mpu=mpu,
+            lr_scheduler=client_scheduler(ds_config),
+        )
     return engine
+
+
+@contextlib.contextmanager
+def muon_roles(model: torch.nn.Module):
+    """While deepspeed.initialize runs, each parameter's `use_muon` (which DeepSpeed's ZeRO and
+    Muon read to pick the update) is lmrepo's role-based choice (lmrepo.muon), set right after
+    DeepSpeed's own by-name tagging."""
+    tag_by_name = deepspeed.set_optimizer_flags
+    matrices = muon_parameters(model)
+
+    def tag_by_role(config_class, tagged_model):
+        tag_by_name(config_class, tagged_model)
+        for param in tagged_model.parameters():
+            param.use_muon = id(param) in matrices
+
+    deepspeed.set_optimizer_flags = tag_by_role
+    try:
+        yield
+    finally:
+        deepspeed.set_optimizer_flags = tag_by_name
 
 
 def enable_activation_checkpointing(model, checkpointing: CheckpointingConfig, ds_config: dict) -> None:
@@ -86,6 +119,11 @@ class DeepSpeedEngine:
             )
         else:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        # DeepSpeed's ZeRO optimizers write Muon's orthogonalised update into the gradient before
+        # they take the norm: not the gradient's norm, so the metrics line leaves grad_norm out.
+        self.norm_is_the_update = type(ds_engine.basic_optimizer).__name__ == "MuonWithAuxAdam" and type(
+            ds_engine.optimizer
+        ).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
 
     @property
     def module(self) -> torch.nn.Module:
@@ -101,7 +139,7 @@ class DeepSpeedEngine:
             self.ds.step()  # DeepSpeed steps the optimizer at the accumulation boundary
             losses.append(loss.detach().float())
         if not self._norm_before_step():
-            self.last_grad_norm = self.ds.get_global_grad_norm()
+            self.last_grad_norm = None if self.norm_is_the_update else self.ds.get_global_grad_norm()
         return torch.stack(losses).mean()
 
     def _norm_before_step(self) -> bool:
@@ -143,7 +181,11 @@ class DeepSpeedEngine:
 
 
 def build(
-    model_cfg: ModelConfig, checkpointing: CheckpointingConfig, ds_config: dict, compile: bool = False
+    model_cfg: ModelConfig,
+    checkpointing: CheckpointingConfig,
+    ds_config: dict,
+    compile: bool = False,
+    compile_muon: bool = False,
 ) -> DeepSpeedEngine:
     zero3 = None
     if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
@@ -153,7 +195,9 @@ def build(
         zero3 = HfDeepSpeedConfig(ds_config)
     model = build_model(model_cfg)
     enable_activation_checkpointing(model, checkpointing, ds_config)
-    engine = DeepSpeedEngine(initialize(model, ds_config, mpu=tensor_parallel_groups(ds_config)))
+    engine = DeepSpeedEngine(
+        initialize(model, ds_config, mpu=tensor_parallel_groups(ds_config), compile_muon=compile_muon)
+    )
     if compile:
         isolate_compile_cache()
         engine.ds.compile()  # in place: parameter names, hence checkpoints, are unchanged

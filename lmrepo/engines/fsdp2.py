@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from deepspeed.runtime import lr_schedules
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -36,6 +35,7 @@ from lmrepo.engines.base import TORCH_OPTIMIZERS, to_device
 from lmrepo.engines.deepspeed import param_groups
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
+from lmrepo.schedules import build_scheduler
 
 CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
 
@@ -85,8 +85,8 @@ class FSDP2Engine:
         self.optimizer = TORCH_OPTIMIZERS[optimizer.name](
             groups, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps
         )
-        # DeepSpeed's own scheduler class, from the section lmrepo builds for DeepSpeed's engines.
-        self.lr_scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
+        # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
+        self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
         self.grad_clip, self.micro_batches = grad_clip, micro_batches
         self.last_grad_norm: float | None = None
         self.global_steps = 0

@@ -25,7 +25,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import deepspeed
-import deepspeed.runtime.lr_schedules as lr_schedules
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -50,6 +49,7 @@ from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_grou
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
+from lmrepo.schedules import build_scheduler
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b_torch": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -183,8 +183,8 @@ class TorchPipelineEngine:
             betas=tuple(optimizer.betas),
             eps=optimizer.eps,
         )
-        # DeepSpeed's own scheduler class, from the section lmrepo builds for DeepSpeed's engines.
-        self.lr_scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
+        # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
+        self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
         self.gradient_clipping, self.bf16 = grad_clip, bf16
         self.global_steps = 0
         self.last_grad_norm: float | None = None
