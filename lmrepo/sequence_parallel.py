@@ -30,14 +30,41 @@ def attention_shape(config) -> SimpleNamespace:
     return SimpleNamespace(_attn_implementation=config._attn_implementation, get_text_config=lambda: shape)
 
 
+def document_mask(positions: torch.Tensor) -> torch.Tensor | None:
+    """The causal mask of packed documents (position ids restarting at 0 within the sequence), as
+    SDPA takes a boolean mask (True = attend), or None for one document (then SDPA is causal)."""
+    if not bool((positions[:, 1:] == 0).any()):
+        return None
+    document = (positions == 0).cumsum(-1)
+    causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+
+def document_aware(attention):
+    """SDPA that attends within each packed document: DeepSpeed's wrapper drops the model's mask (it
+    was built for one slice) and hands the core attention the whole sequence's position ids."""
+
+    def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is None and kwargs.get("position_ids") is not None:
+            attention_mask = document_mask(kwargs["position_ids"])
+        return attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attend
+
+
 def register(model, size: int, micro_batch: int):
     """Wraps the model's attention function (sdpa) in DeepSpeed's Ulysses all-to-all and makes the
     sequence-parallel process groups; returns them as the `mpu` deepspeed.initialize takes."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    implementation = model.config._attn_implementation
+    if implementation == "sdpa":  # flash attention finds the documents in the position ids itself
+        # register_with_transformers wraps whatever the registry holds under this name.
+        ALL_ATTENTION_FUNCTIONS[implementation] = document_aware(ALL_ATTENTION_FUNCTIONS[implementation])
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=SimpleNamespace(config=attention_shape(model.config)),
-        core_attn_implementation=model.config._attn_implementation,
+        core_attn_implementation=implementation,
         sequence_parallel_size=size,
         micro_batch_size=micro_batch,
         seq_length_is_variable=True,  # the length is read from each batch: one wrapper for any block size

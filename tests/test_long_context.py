@@ -136,3 +136,27 @@ def test_sequence_parallel_config_and_refusals():
     for overrides, world, message in refusals:
         error = ds_or_error(overrides, world)
         assert isinstance(error, str) and error.startswith(message), (overrides, error)
+
+
+def test_sequence_parallel_attention_keeps_packed_documents_apart():
+    """Under sequence parallelism DeepSpeed's wrapper drops the model's mask and hands SDPA the whole
+    sequence's position ids: with packed documents (ids restarting at 0) lmrepo's SDPA attends within
+    each document, as each document alone; one document stays plain causal attention (no mask)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from lmrepo.sequence_parallel import document_aware, document_mask
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    module = SimpleNamespace(is_causal=True)
+    attend = document_aware(sdpa_attention_forward)
+    packed = torch.cat([torch.arange(10), torch.arange(6)])[None]
+    together, _ = attend(module, q, k, v, None, position_ids=packed)
+    alone = [
+        sdpa_attention_forward(module, *(t[:, :, part] for t in (q, k, v)), None)[0]
+        for part in (slice(0, 10), slice(10, 16))
+    ]
+    assert torch.allclose(together, torch.cat(alone, dim=1), atol=1e-6)
+    assert document_mask(torch.arange(16)[None]) is None
