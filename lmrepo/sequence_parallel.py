@@ -62,13 +62,23 @@ def register(model, size: int, micro_batch: int):
     if implementation == "sdpa":  # flash attention finds the documents in the position ids itself
         # register_with_transformers wraps whatever the registry holds under this name.
         ALL_ATTENTION_FUNCTIONS[implementation] = document_aware(ALL_ATTENTION_FUNCTIONS[implementation])
-    return UlyssesSPAttentionHF.register_with_transformers(
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=SimpleNamespace(config=attention_shape(model.config)),
         core_attn_implementation=implementation,
         sequence_parallel_size=size,
         micro_batch_size=micro_batch,
         seq_length_is_variable=True,  # the length is read from each batch: one wrapper for any block size
     )
+    ulysses = ALL_ATTENTION_FUNCTIONS[implementation]
+
+    def attend(*args, **kwargs):
+        # Ulysses returns (batch, tokens, width); GPT-2 flattens the last two dimensions of the
+        # (batch, tokens, heads, head width) attention functions return (Llama reshapes either).
+        output, weights = ulysses(*args, **kwargs)
+        return output.unsqueeze(-2), weights
+
+    ALL_ATTENTION_FUNCTIONS[implementation] = attend
+    return mpu
 
 
 class Slicer:
