@@ -258,6 +258,13 @@ def build_ds_config(config: TrainConfig, dp_size: int) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if config.sequence_parallel.size > 1:
+        ds["sequence_parallel_size"] = config.sequence_parallel.size
+        if config.zero.stage == 3:
+            # ZeRO-3's reduce-scatter averages gradients over every rank, where sequence-parallel ranks'
+            # gradients must be summed (each holds a share of the loss): gradients / size. Its
+            # all-reduce path (taken without reduce_scatter, for buckets within reduce_bucket_size) sums them.
+            ds["zero_optimization"]["reduce_scatter"] = False
     if config.offload.target == OffloadTarget.nvme:
         ds["aio"] = to_dict(config.offload.aio)
     return ds

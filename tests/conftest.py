@@ -81,6 +81,7 @@ HEAVIEST_FIRST = (
     "test_bench.py",
     "test_pipelining.py",
     "test_generate.py",
+    "test_long_context.py",
     "test_tp.py",
     "test_search.py",
     "test_compare.py",

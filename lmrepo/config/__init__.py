@@ -29,6 +29,7 @@ from lmrepo.config.parallel import (
     OffloadTarget,
     PipelineConfig,
     Schedule,
+    SequenceParallelConfig,
     TPConfig,
     TPMode,
     ZeroConfig,
@@ -64,6 +65,7 @@ __all__ = [
     "EngineName",
     "OffloadConfig",
     "PipelineConfig",
+    "SequenceParallelConfig",
     "TPConfig",
     "CheckpointingConfig",
     "LoggerConfig",
@@ -93,6 +95,7 @@ class TrainConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tp: TPConfig = field(default_factory=TPConfig)
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -135,6 +138,7 @@ def load(cfg: DictConfig) -> TrainConfig:
         config.offload,
         config.pipeline,
         config.tp,
+        config.sequence_parallel,
         config.metrics,
         config.launcher,
         config.run,
@@ -147,6 +151,19 @@ def load(cfg: DictConfig) -> TrainConfig:
         fsdp2_check(config)
     if not config.data.cross_document_attention:
         documents_check(config)
+    if config.sequence_parallel.size > 1:
+        sequence_parallel_check(config)
+    if config.trainer.loss_tiles > 1:
+        require(
+            config.model.family != Family.bert,
+            f"trainer.loss_tiles={config.trainer.loss_tiles} tiles a causal LM's loss, not model.family=bert's "
+            "masked one: set trainer.loss_tiles=1",
+        )
+        require(
+            config.pipeline.schedule == "none",
+            f"trainer.loss_tiles={config.trainer.loss_tiles} does not combine with pipeline={config.pipeline.schedule} "
+            "(its last stage computes the loss in the pipeline's layer list): set trainer.loss_tiles=1",
+        )
     n_positions = config.model.shape()["n_positions"]
     require(
         config.data.block_size <= n_positions,
@@ -216,6 +233,55 @@ def fsdp2_check(config: TrainConfig) -> None:
     )
 
 
+def sequence_parallel_check(config: TrainConfig) -> None:
+    """What sequence_parallel.size=N cannot mean, each one line naming the key."""
+    size = config.sequence_parallel.size
+    key = f"sequence_parallel.size={size}"
+    off = "or set sequence_parallel.size=1"
+    require(
+        config.model.family != Family.bert,
+        f"{key} splits causal models (GPT-2, Llama), not model.family=bert (bidirectional): {off}",
+    )
+    require(config.engine.name == EngineName.deepspeed, f"{key} runs on engine=deepspeed (Ulysses): choose it, {off}")
+    require(config.pipeline.schedule == "none", f"{key} does not combine with a pipeline: choose pipeline=none, {off}")
+    require(config.tp.mode == TPMode.none, f"{key} does not combine with tensor parallelism: choose tp=none, {off}")
+    shape = config.model.shape()
+    for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
+        require(count % size == 0, f"{key} does not divide the model's {count} {what}: change sequence_parallel.size")
+    require(
+        config.data.block_size % size == 0,
+        f"{key} does not divide data.block_size={config.data.block_size} (each rank holds an equal slice of every "
+        "sequence): change data.block_size or sequence_parallel.size",
+    )
+    require(
+        not config.eval.tasks,
+        f"{key}: eval.tasks runs lm-eval on whole sequences, which a sequence-parallel model cannot take: run "
+        "scripts/evaluate.py on a checkpoint instead (drop eval.tasks), " + off,
+    )
+    require(not config.trainer.compile, f"{key} is not tested with trainer.compile=true: set it to false, {off}")
+    if config.zero.stage == 3:
+        # DeepSpeed 0.19's ZeRO-3 reduce-scatter divides sequence-parallel gradients by the group size;
+        # its all-reduce path is right, for buckets within reduce_bucket_size (lmrepo/ds_config.py).
+        why = f"(DeepSpeed's reduce-scatter divides the sequence-parallel gradients by {size})"
+        require(
+            config.zero.reduce_scatter is not True,
+            f"{key} with zero=stage3 reduces gradients without "
+            f"zero.reduce_scatter {why}: drop zero.reduce_scatter=true",
+        )
+        require(
+            config.zero.contiguous_gradients is not False,
+            f"{key} with zero=stage3 needs zero.contiguous_gradients {why}: drop zero.contiguous_gradients=false",
+        )
+        bucket = config.zero.reduce_bucket_size or 5e8  # DeepSpeed's default
+        largest = shape["vocab_size"] * shape["n_embd"]
+        require(
+            largest <= bucket,
+            f"{key} with zero=stage3: the embedding's {largest} elements exceed zero.reduce_bucket_size={bucket:.0f}, "
+            "which sends it through DeepSpeed's reduce-scatter (gradients divided by the group size): raise "
+            "zero.reduce_bucket_size",
+        )
+
+
 def layout_check(config: TrainConfig, world_size: int) -> int:
     """The rules of the rank layout; returns the data-parallel size. world = pipeline stages x
     tensor-parallel size x data-parallel degree."""
@@ -242,7 +308,13 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
             "data-parallel ranks): change tp.size or the rank count",
         )
         dp_size //= tp
-    return dp_size
+    sp = config.sequence_parallel.size
+    require(
+        dp_size % sp == 0,
+        f"sequence_parallel.size={sp} does not divide the {dp_size} rank(s) (world = sequence_parallel.size x "
+        "data-parallel ranks): change sequence_parallel.size or the rank count",
+    )
+    return dp_size // sp
 
 
 def _pipeline_check(config: TrainConfig) -> None:

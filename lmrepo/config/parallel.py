@@ -196,6 +196,18 @@ class TPConfig:
             require(self.size >= 2, f"tp.size={self.size} must be >= 2 with tp=auto (or choose tp=none)")
 
 
+@dataclass
+class SequenceParallelConfig:
+    """DeepSpeed Ulysses (Arctic Long Sequence Training): every sequence split over `size` ranks,
+    swapped from tokens to heads around attention (lmrepo/sequence_parallel.py)."""
+
+    size: int = 1
+    """ranks that split each sequence (GPT-2, Llama); world = size x data-parallel ranks; 1 = off"""
+
+    def check(self) -> None:
+        require(self.size >= 1, f"sequence_parallel.size={self.size} must be >= 1 (1 = off)")
+
+
 class CheckpointingImpl(StrEnum):
     deepspeed = "deepspeed"
     torch = "torch"

@@ -140,6 +140,8 @@ class TrainerConfig:
     """auto (a GPU when one is visible) | cpu | cuda"""
     compile: bool = False
     """torch.compile the model (DeepSpeed's engine.compile, inductor); the first step compiles"""
+    loss_tiles: int = 1
+    """causal LMs: the LM head and loss in this many chunks of the sequence, logits recomputed in backward; 1 = off"""
 
     def check(self) -> None:
         require(self.max_steps >= 1, f"trainer.max_steps={self.max_steps} must be >= 1")
@@ -155,7 +157,7 @@ class TrainerConfig:
             f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)",
         )
         require(0 <= self.seed < 2**32, f"trainer.seed={self.seed} must be in [0, 2**32)")
-        for key in ("log_every", "eval_batches"):
+        for key in ("log_every", "eval_batches", "loss_tiles"):
             require(getattr(self, key) >= 1, f"trainer.{key}={getattr(self, key)} must be >= 1")
         for key in ("eval_every", "save_every", "keep_last"):
             require(getattr(self, key) >= 0, f"trainer.{key}={getattr(self, key)} must be >= 0 (0 = off)")

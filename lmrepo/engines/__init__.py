@@ -42,6 +42,7 @@ def build_engine(config: TrainConfig, ds_config: dict) -> Engine:
         ds_config,
         compile=config.trainer.compile,
         compile_muon=compile_muon(config.optimizer.compile),
+        loss_tiles=config.trainer.loss_tiles,
     )
 
 

@@ -1,4 +1,5 @@
-"""DeepSpeed's engine around a plain transformers model: ZeRO 0-3, offload, precision, AutoTP."""
+"""DeepSpeed's engine around a plain transformers model: ZeRO 0-3, offload, precision, AutoTP,
+sequence parallelism (Ulysses)."""
 
 import contextlib
 import math
@@ -17,6 +18,7 @@ from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
 from lmrepo.muon import compile_muon_update, muon_parameters
 from lmrepo.schedules import client_scheduler
+from lmrepo.sequence_parallel import Slicer, register
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -110,9 +112,11 @@ class DeepSpeedEngine:
 
     background_save = False
 
-    def __init__(self, ds_engine):
-        self.ds, self.device = ds_engine, ds_engine.device
-        if ds_engine.autotp_size() > 1:  # one tensor-parallel group reads the same samples
+    def __init__(self, ds_engine, slicer: Slicer | None = None):
+        self.ds, self.device, self.slicer = ds_engine, ds_engine.device, slicer
+        if slicer is not None:  # one sequence-parallel group (consecutive ranks) reads the same samples
+            self.dp_rank, self.dp_size = dist.get_rank() // slicer.size, dist.get_world_size() // slicer.size
+        elif ds_engine.autotp_size() > 1:  # one tensor-parallel group reads the same samples
             self.dp_rank, self.dp_size = (
                 ds_engine.mpu.get_data_parallel_rank(),
                 ds_engine.mpu.get_data_parallel_world_size(),
@@ -129,15 +133,22 @@ class DeepSpeedEngine:
     def module(self) -> torch.nn.Module:
         return self.ds.module
 
+    def _inputs(self, batch: dict) -> dict:
+        return to_device(self.slicer(batch) if self.slicer else batch, self.device)
+
+    def _whole(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro batch's loss: under sequence parallelism, the sum of the ranks' shares."""
+        return self.slicer.whole_loss(loss) if self.slicer else loss.detach()
+
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         losses = []
         for index, batch in enumerate(batches):
-            loss = self.ds(**to_device(batch, self.device)).loss
+            loss = self.ds(**self._inputs(batch)).loss
             self.ds.backward(loss)  # at the accumulation boundary this also reduces the gradients
             if index == len(batches) - 1 and self._norm_before_step():
                 self.last_grad_norm = float(clip_grad_norm_(self.ds.module.parameters(), math.inf, mpu=self.ds.mpu))
             self.ds.step()  # DeepSpeed steps the optimizer at the accumulation boundary
-            losses.append(loss.detach().float())
+            losses.append(self._whole(loss).float())
         if not self._norm_before_step():
             self.last_grad_norm = None if self.norm_is_the_update else self.ds.get_global_grad_norm()
         return torch.stack(losses).mean()
@@ -151,7 +162,7 @@ class DeepSpeedEngine:
     @torch.no_grad()
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:
         self.ds.eval()
-        mean = torch.stack([self.ds(**to_device(batch, self.device)).loss.float() for batch in batches]).mean()
+        mean = torch.stack([self._whole(self.ds(**self._inputs(batch)).loss).float() for batch in batches]).mean()
         self.ds.train()
         return mean
 
@@ -186,6 +197,7 @@ def build(
     ds_config: dict,
     compile: bool = False,
     compile_muon: bool = False,
+    loss_tiles: int = 1,
 ) -> DeepSpeedEngine:
     zero3 = None
     if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
@@ -193,11 +205,16 @@ def build(
         # deepspeed.zero.Init: each rank materializes only its partition. Random init then
         # draws in another order, so the weights differ from a run of another stage.
         zero3 = HfDeepSpeedConfig(ds_config)
-    model = build_model(model_cfg)
+    sequence_parallel = ds_config.get("sequence_parallel_size", 1)
+    own_loss = loss_tiles > 1 or sequence_parallel > 1
+    model = build_model(model_cfg, loss_tiles=loss_tiles if own_loss else None)
     enable_activation_checkpointing(model, checkpointing, ds_config)
-    engine = DeepSpeedEngine(
-        initialize(model, ds_config, mpu=tensor_parallel_groups(ds_config), compile_muon=compile_muon)
-    )
+    if sequence_parallel > 1:
+        mpu = register(model, sequence_parallel, ds_config["train_micro_batch_size_per_gpu"])
+        engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), Slicer(mpu))
+    else:
+        mpu = tensor_parallel_groups(ds_config)
+        engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon))
     if compile:
         isolate_compile_cache()
         engine.ds.compile()  # in place: parameter names, hence checkpoints, are unchanged

@@ -250,7 +250,8 @@ def build(config: TrainConfig, scheduler: dict, micro_batches: int) -> FSDP2Engi
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
-    model = build_model(config.model)
+    tiles = config.trainer.loss_tiles
+    model = build_model(config.model, loss_tiles=tiles if tiles > 1 else None)
     enable_activation_checkpointing(model, config.checkpointing)
     if config.trainer.compile:
         isolate_compile_cache()

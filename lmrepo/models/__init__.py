@@ -4,12 +4,14 @@ from types import ModuleType
 
 from transformers import PreTrainedModel
 
-from lmrepo.models import bert, gpt2, llama
+from lmrepo.models import bert, causal_loss, gpt2, llama
 
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "llama": llama}
 
 
-def build_model(model) -> PreTrainedModel:
+def build_model(model, loss_tiles: int | None = None) -> PreTrainedModel:
+    """loss_tiles None: transformers' own loss; a number: lmrepo's (models/causal_loss.py) in that
+    many chunks of the sequence (causal families only)."""
     family = FAMILIES[model.family]
     if model.pretrained:
         net = family.MODEL_CLASS.from_pretrained(model.pretrained, **family.dropout_overrides(model))
@@ -19,4 +21,6 @@ def build_model(model) -> PreTrainedModel:
     net.config.use_cache = False
     # Named, transformers does not warn from inside forward (a graph break under torch.compile).
     net.loss_type = family.LOSS_TYPE
+    if loss_tiles is not None:
+        causal_loss.install(net, loss_tiles)
     return net.train()  # from_pretrained returns a model in eval mode

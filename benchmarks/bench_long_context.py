@@ -1,0 +1,150 @@
+"""Long sequences on 2 ranks, side by side in one run: peak memory per rank and step time against
+the block size, for sequence parallelism off (N=1: each rank trains whole sequences) and on (N=2:
+the two ranks split every sequence, DeepSpeed Ulysses), each with and without the tiled loss.
+
+    python benchmarks/bench_long_context.py            # blocks 1k-4k tokens, 12 runs (~8 min on 2 cores)
+    python benchmarks/bench_long_context.py --quick    # smoke run: blocks of 256 and 512, 2 steps
+    python benchmarks/bench_long_context.py --save     # also write benchmarks/results/bench_long_context_<...>.md
+
+Every arm is a real `torchrun --nproc-per-node 2 train.py` run of the same small Llama (2 layers,
+128 wide, the GPT-2 vocabulary of 50,257 tokens, whose logits are the largest tensor of a long
+step), fp32, ZeRO-0, one sequence per micro batch. N=1 trains 2 sequences a step (one per rank),
+N=2 one sequence: compare tokens/s, and memory per rank at the same block size. Peak memory per
+rank is the largest resident set (getrusage's ru_maxrss) of the run's ranks, each arm run from a
+fresh interpreter so an earlier arm's peak cannot hide a later one's; it counts everything a rank
+holds (torch, the data, the model and optimizer states, activations). The default blocks stop at
+4k tokens for a 2-core CPU shared with other work (attention's time grows with the square of the
+block, the untiled N=1 arm's memory with the block times the vocabulary); --blocks picks others.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import REPO, Report, add_save_flag  # benchmarks/common.py
+from lmrepo.launch import launch_command
+
+MODEL = [
+    "model=llama-tiny",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_kv_head=4",
+    "model.n_embd=128",
+    "model.n_inner=352",
+    "model.n_positions=16384",
+    "trainer.micro_batch_size=1",
+]
+ARMS = {
+    "N=1": [],
+    "N=1, tiled loss": ["trainer.loss_tiles=8"],
+    "N=2": ["sequence_parallel.size=2"],
+    "N=2, tiled loss": ["sequence_parallel.size=2", "trainer.loss_tiles=8"],
+}
+BLOCKS, QUICK_BLOCKS = (1024, 2048, 4096), (256, 512)
+
+
+def run_arm(overrides: list[str], steps: int, workdir: Path) -> dict:
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    cmd = [
+        *launch_command(2, "torchrun"),
+        str(REPO / "train.py"),
+        *overrides,
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=1",
+        "schedule.warmup_steps=1",
+        "precision=fp32",
+        "logger=jsonl",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_long_context: {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in lines if "tokens_per_s" in m]
+    return {
+        "step_times": [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(logged, logged[1:])],
+        "tokens_per_step": logged[1]["tokens"] - logged[0]["tokens"],
+        "loss": logged[-1]["loss"],
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+    }
+
+
+def one_arm(args) -> None:
+    """A child process of main(): one arm's run, so its peak resident memory is its own."""
+    print(json.dumps(run_arm(json.loads(args.one_arm), args.steps, Path(args.workdir))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="blocks of 256 and 512 tokens, 2 steps")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
+    parser.add_argument("--blocks", type=int, nargs="+", default=list(BLOCKS), help="block sizes in tokens")
+    parser.add_argument("--budget-gib", type=float, default=2.0, help="the memory budget per rank of the last table")
+    parser.add_argument("--one-arm", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    add_save_flag(parser)
+    args = parser.parse_args()
+    if args.one_arm:
+        return one_arm(args)
+    blocks = QUICK_BLOCKS if args.quick else tuple(args.blocks)
+    steps = 2 if args.quick else args.steps
+    report = Report(__file__)
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench_long_context-") as workdir:
+        for block in blocks:  # the arms alternate within each block size: a shared machine's load falls on all
+            for arm, overrides in ARMS.items():
+                print(f"bench_long_context: block {block}, {arm}", file=sys.stderr, flush=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--steps", str(steps), "--workdir", workdir,
+                     "--one-arm", json.dumps([*MODEL, f"data.block_size={block}", *overrides])],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if out.returncode != 0:
+                    raise SystemExit(out.stderr[-3000:] or out.stdout[-3000:])
+                results[f"{block} / {arm}"] = json.loads(out.stdout.strip().splitlines()[-1])
+    report.print("## Peak memory per rank and step time against the block size, 2 ranks, fp32")
+    report.print("")
+    report.print("| block | arm | peak RSS per rank | / N=1 | step time | tokens/s | loss |")
+    report.print("| --- | --- | --- | --- | --- | --- | --- |")
+    figures = {}
+    for block in blocks:
+        base = results[f"{block} / N=1"]["peak_rss_gib"]
+        for arm in ARMS:
+            run = results[f"{block} / {arm}"]
+            step = statistics.median(run["step_times"])
+            figures[f"{block} / {arm}"] = {**run, "step_s": step, "tokens_per_s": run["tokens_per_step"] / step}
+            peak = run["peak_rss_gib"]
+            report.print(
+                f"| {block} | {arm} | {peak:.2f} GiB | {peak / base:.2f} | {step:.2f} s | "
+                f"{run['tokens_per_step'] / step:.0f} | {run['loss']:.4f} |"
+            )
+    report.print("")
+    report.print(f"## The longest block that trained within {args.budget_gib} GiB per rank (of those measured)")
+    report.print("")
+    report.print("| arm | longest block | its peak RSS per rank |")
+    report.print("| --- | --- | --- |")
+    for arm in ARMS:
+        fits = [b for b in blocks if results[f"{b} / {arm}"]["peak_rss_gib"] <= args.budget_gib]
+        longest = max(fits) if fits else None
+        peak = f"{results[f'{longest} / {arm}']['peak_rss_gib']:.2f} GiB" if longest else "-"
+        report.print(f"| {arm} | {longest or f'none (< {min(blocks)})'} | {peak} |")
+        figures[f"longest within budget / {arm}"] = longest
+    report.print("")
+    report.print(
+        "N=1 trains one sequence per rank (2 a step), N=2 one sequence split over both ranks (1 a step). "
+        "Tiled loss: trainer.loss_tiles=8. Peak RSS is the largest rank's resident set over the whole run."
+    )
+    report.save(args.save, figures)
+
+
+if __name__ == "__main__":
+    main()

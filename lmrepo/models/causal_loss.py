@@ -1,0 +1,62 @@
+"""lmrepo's own causal-LM loss, in place of the one transformers computes inside the model's forward,
+for two reasons:
+
+- Tiles (`trainer.loss_tiles`): the LM head and the cross-entropy run on one chunk of the sequence
+  at a time, each chunk under non-reentrant activation checkpointing, so neither forward nor
+  backward ever holds more than one chunk's logits (tokens x vocabulary, the largest tensor of a
+  long-sequence step) instead of the whole block's. The head is called as a module, so ZeRO-3's
+  gather hooks and FSDP2's unsharded root parameters serve it as they serve the untiled head.
+- Sequence parallelism: a rank holds a slice of each sequence (lmrepo/sequence_parallel.py), and
+  the right loss to back-propagate is its slice's token sum divided by the number of scored tokens
+  of the whole sequence (`scored_tokens`, given with the batch). DeepSpeed sums the gradients over
+  the sequence-parallel group, so the group's gradient is exactly the unsplit one; the loss as
+  transformers' DeepSpeed integration builds it (a differentiable all-gather of the per-rank
+  losses) makes every gradient x the group size.
+
+Both take labels already shifted (`shift_labels`, -100 = not scored) or unshifted `labels`
+(shifted here, as transformers does); a call without labels (generation, lm-eval) is the model's
+own forward, logits and all."""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+IGNORE = -100  # transformers' and torch's label of a token that is not scored
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """The target of each position: the next token's label; the last position has none."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def _tile_loss_sum(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # transformers' loss upcasts the logits too
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def loss_sum(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Sum of the cross-entropy over the scored tokens of `hidden` (batch, tokens, width); with
+    tiles > 1 in that many chunks of the tokens, each chunk's logits recomputed in backward."""
+    if tiles == 1:
+        return _tile_loss_sum(head, hidden, labels)
+    pieces = zip(hidden.chunk(tiles, dim=1), labels.chunk(tiles, dim=1))
+    return sum(checkpoint(_tile_loss_sum, head, h, y, use_reentrant=False) for h, y in pieces)
+
+
+def install(model, tiles: int) -> None:
+    """Replaces `model.forward` (a transformers causal LM) with one that computes lmrepo's loss:
+    the same weights and parameter names, so checkpoints and export are unchanged."""
+    original, base, head = model.forward, model.base_model, model.get_output_embeddings()
+
+    def forward(input_ids=None, labels=None, shift_labels=None, scored_tokens=None, position_ids=None, **kwargs):
+        if labels is None and shift_labels is None:
+            return original(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        if shift_labels is None:
+            shift_labels = shifted(labels)
+        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
+        if scored_tokens is None:
+            scored_tokens = (shift_labels != IGNORE).sum()
+        return CausalLMOutputWithPast(loss=loss_sum(head, hidden, shift_labels, tiles) / scored_tokens)
+
+    model.forward = forward
