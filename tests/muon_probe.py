@@ -114,7 +114,7 @@ def main(out: Path, overrides: list[str]) -> None:
         "lmrepo": ours,
         "reference": theirs,
         "max_weight_diff": max(
-            (p.detach() - weights[n]).abs().max().item() for n, p in engine.module.named_parameters()
+            (p.detach().cpu() - weights[n]).abs().max().item() for n, p in engine.module.named_parameters()
         ),
         "use_muon": {n: bool(p.use_muon) for n, p in engine.module.named_parameters()},
         "compiled": hasattr(original_muon.muon_update, "_torchdynamo_orig_callable"),

@@ -3,11 +3,12 @@ fp16 with dynamic loss scaling also runs on a CPU whose DeepSpeed accelerator co
 (AMX-FP16): that test asks the device, not the marker."""
 
 import json
+import subprocess
 
 import pytest
 import torch
 
-from conftest import TINY, assert_ok, read_metrics, run_train
+from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train
 from lmrepo.compose import load_config
 from lmrepo.device import detect_device
 from lmrepo.estimate import count_parameters, meta_model, model_state_bytes
@@ -84,3 +85,20 @@ def test_fsdp2_on_cuda_equals_deepspeed_zero3(tmp_path):
     assert max(abs(a - b) / abs(b) for a, b in zip(ours, reference)) <= 1e-5
     bf16 = [m for m in read_metrics(runs["fsdp2_bf16"]) if "loss" in m]
     assert bf16[-1]["loss"] < bf16[0]["loss"] and all("grad_norm" in m for m in bf16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_muon_on_cuda_compiles_its_update_and_follows_the_reference(tmp_path):
+    """optimizer=muon on one GPU: its update torch.compile'd (optimizer.compile=null on CUDA),
+    four clipped steps against the plain-torch reference of tests/muon_probe.py run on the CPU.
+    Both orthogonalise in bf16, on other kernels: close, not equal (the CPU test is bit for bit)."""
+    overrides = [*TINY, "trainer.max_steps=4", "optimizer=muon", "trainer.grad_clip=0.5"]
+    overrides += ["schedule=wsd", "schedule.warmup_steps=0", "schedule.decay_fraction=0"]
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "tests/muon_probe.py"), str(tmp_path), *overrides], capture_output=True, text=True
+    )
+    assert_ok(proc)
+    result = json.loads((tmp_path / "muon_probe.json").read_text())
+    assert result["compiled"] is True
+    assert max(abs(a - b) / b for a, b in zip(result["lmrepo"], result["reference"])) <= 1e-3
