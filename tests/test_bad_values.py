@@ -78,6 +78,11 @@ CASES = [
     ("tp.mode=megatron", "tp.mode=megatron"),
     ("tp.size=0", "tp.size=0"),
     ("tp.degree=2", "tp.degree"),
+    # sequence_parallel
+    ("sequence_parallel.size=x", "sequence_parallel.size=x"),
+    ("sequence_parallel.size=0", "sequence_parallel.size=0"),
+    ("sequence_parallel.ranks=2", "sequence_parallel.ranks"),
+    ("trainer.loss_tiles=0", "trainer.loss_tiles=0"),
     # checkpointing
     ("checkpointing.every_n_layers=x", "checkpointing.every_n_layers=x"),
     ("checkpointing.impl=fast", "checkpointing.impl=fast"),
@@ -163,6 +168,7 @@ def test_the_battery_covers_every_group():
         "offload",
         "pipeline",
         "tp",
+        "sequence_parallel",
         "checkpointing",
         "logger",
         "metrics",
