@@ -79,6 +79,7 @@ HEAVIEST_FIRST = (
     "test_train.py",
     "test_bench.py",
     "test_pipelining.py",
+    "test_zero_bubble.py",
     "test_generate.py",
     "test_tp.py",
     "test_search.py",

@@ -125,7 +125,12 @@ def llama_layers(net) -> list:
             ),
         ]
     # Untied (Llama's default): the head is a layer of its own, one module applied to the hidden states.
-    return [LayerSpec(LlamaEmbeddingPipe, model), *blocks, LayerSpec(NormPipe, model.norm), LayerSpec(NormPipe, net.lm_head)]
+    return [
+        LayerSpec(LlamaEmbeddingPipe, model),
+        *blocks,
+        LayerSpec(NormPipe, model.norm),
+        LayerSpec(NormPipe, net.lm_head),
+    ]
 
 
 # --- BERT ----------------------------------------------------------------------------------
