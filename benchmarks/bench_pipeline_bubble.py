@@ -105,7 +105,6 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int) -> dict:
     from lmrepo.device import detect_device
     from lmrepo.engines import build_engine
     from lmrepo.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
-    from lmrepo.engines.pipeline_timeline import Timeline, watch_deepspeed_pipeline
     from lmrepo.plan import plan
 
     chunks = [] if schedule in ("1f1b", "gpipe", "1f1b_torch") else ["pipeline.virtual_stages=2"]
@@ -128,19 +127,12 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int) -> dict:
     deepspeed = isinstance(engine, DeepSpeedPipelineEngine)
     if deepspeed:
         engine.ds.train()
-        timeline = Timeline()
-        watch_deepspeed_pipeline(timeline, engine.ds)
-    else:
-        timeline = engine.timeline
+    timeline = engine.timeline  # both pipeline engines time their schedule's actions
     watch_waits(timeline)
 
     def step():
         dist.barrier()  # every rank starts the step together
-        if deepspeed:
-            timeline.begin_step()
         engine.train_step(batches)
-        if deepspeed:
-            timeline.end_step()
 
     step()  # warm-up: first-call allocations and the p2p handshakes
     records = []

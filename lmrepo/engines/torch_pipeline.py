@@ -195,9 +195,9 @@ class TorchPipelineEngine:
         )
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
         non_reentrant_checkpointing(self.chunks)
-        self.schedule = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
+        self.schedule, stages = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
         self.timeline = Timeline()  # this rank's actions of the last training step
-        watch_torch_stages(self.timeline, self.schedule, self.schedule._stages)
+        watch_torch_stages(self.timeline, self.schedule, stages)
         self.last_bubble: float | None = None
         self.eval_schedules = {}  # micro-batch count -> a forward-only schedule over stages of its own
         # Evaluation: any schedule of the same placement will do, run forward only: LoopedBFS takes
@@ -228,7 +228,8 @@ class TorchPipelineEngine:
 
     # --- pieces of __init__
 
-    def _schedule(self, schedule_class, micro_batches: int):
+    def _schedule(self, schedule_class, micro_batches: int) -> tuple:
+        """(the schedule over this rank's chunks, their PipelineStages)."""
         stages = [
             PipelineStage(chunk, c, len(self.parts) - 1, self.device, group=self.grid.pp_proc_group)
             for c, chunk in zip(self.chunk_ids, self.chunks)
@@ -236,9 +237,11 @@ class TorchPipelineEngine:
         # scale_grads=False: the schedule would divide each stage's gradients by the micro-batch count,
         # twice for a parameter two stages of one rank share (a V's tied embedding); _scale_gradients
         # divides each parameter once.
-        if schedule_class in (ScheduleGPipe, Schedule1F1B):
-            return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=self.loss, scale_grads=False)
-        return schedule_class(stages, n_microbatches=micro_batches, loss_fn=self.loss, scale_grads=False)
+        one_stage = schedule_class in (ScheduleGPipe, Schedule1F1B)
+        schedule = schedule_class(
+            stages[0] if one_stage else stages, n_microbatches=micro_batches, loss_fn=self.loss, scale_grads=False
+        )
+        return schedule, stages
 
     def _tied_groups(self) -> list[tuple]:
         """(process group, this rank's tied parameter, counted in the norm here) for each tied
@@ -330,7 +333,7 @@ class TorchPipelineEngine:
     def eval_batch(self, data_iter, num_micro_batches: int) -> torch.Tensor:
         if num_micro_batches not in self.eval_schedules:
             # Stages of its own: a stage's buffers are sized for one schedule's micro-batch count.
-            self.eval_schedules[num_micro_batches] = self._schedule(self.eval_kind, num_micro_batches)
+            self.eval_schedules[num_micro_batches] = self._schedule(self.eval_kind, num_micro_batches)[0]
         schedule = self.eval_schedules[num_micro_batches]
         if self.v_placement:
             return self._run(schedule, data_iter, num_micro_batches, train=False, backward=True)
