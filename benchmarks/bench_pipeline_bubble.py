@@ -82,7 +82,8 @@ def watch_waits(timeline) -> None:
 
 
 def predicted(schedule: str, p: int, v: int, m: int, chunk: dict) -> float:
-    """The paper's bubble fraction from one chunk's per-micro-batch times."""
+    """The paper's bubble fraction from one chunk's times for one micro-batch (F; B input-backward,
+    W weight-backward, B + W the whole backward)."""
     if schedule in ("1f1b", "gpipe", "1f1b_torch", "interleaved"):
         return (p - 1) / (v * m + p - 1)
     f, b, w = chunk["F"], chunk["B"], chunk["W"]
@@ -151,13 +152,18 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int) -> dict:
 
     mine = {key: statistics.median(r[key] for r in records) for key in records[0]}
     mine["saved"], mine["actions"] = tracker.peak, actions
+    mine["count"] = {kind: sum(1 for a in actions if a[0] == kind) for kind in ("B", "W", "BW")}  # every step alike
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     p, v = cfg.pipeline.stages, cfg.pipeline.virtual_stages
-    # One chunk's per-micro-batch times, the mean over ranks: what the formulas take.
-    chunk = {k: statistics.mean(r[k] for r in ranks) / (m * v) for k in ("F", "B", "W", "BW")}
-    if chunk["BW"]:
-        chunk["B"], chunk["W"] = chunk["BW"], 0.0  # unsplit: only F and the full backward are known
+
+    # One chunk's times for one micro-batch, the mean over ranks: what the formulas take. F: every
+    # chunk runs m forwards (a non-last chunk's loss call is a no-op); B, W, BW: the mean action,
+    # DualPipeV mixing split and whole backwards.
+    def per_action(kind: str) -> float:
+        return statistics.mean(r[kind] / r["count"][kind] if r["count"][kind] else 0.0 for r in ranks)
+
+    chunk = {"F": statistics.mean(r["F"] for r in ranks) / (m * v), **{k: per_action(k) for k in ("B", "W", "BW")}}
     return {
         "schedule": schedule,
         "m": m,
@@ -214,8 +220,8 @@ def report(rows: list[dict], model: list[str], load: tuple[float, float]) -> str
             paper = f"{r['predicted']:.2f}" if rank == 0 else ""
             lines.append(f"| {name} | {rank} | {cells} | {t['bubble']:.2f} | {paper} | {t['saved'] / 2**20:.1f} |")
     lines += [
-        "\nOne chunk's forward, input-backward and weight-backward per micro-batch (ms; BW: unsplit), "
-        "the inputs of the papers' formulas, and the bubble averaged over the ranks:\n",
+        "\nOne chunk's forward, input-backward, weight-backward and whole backward (BW, where not split) "
+        "for one micro-batch (ms), the inputs of the papers' formulas, and the bubble averaged over the ranks:\n",
         "| schedule | F | B | W | BW | bubble measured | bubble paper |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
