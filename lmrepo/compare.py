@@ -196,6 +196,7 @@ def summarize(job: Job) -> dict:
         "tokens/s": median("tokens_per_s"),
         "TFLOP/s": median("tflops"),
         "MFU": median("mfu"),
+        "bubble": median("bubble"),  # pipelines: the fraction of the schedule no rank computed in
         "peak mem GB": max(mem) if mem else None,
         "steps": max(steps) if steps else None,
         "wall s": wall,
@@ -220,6 +221,7 @@ FORMATS = {
     "tokens/s": "{:.0f}",
     "TFLOP/s": "{:.4g}",
     "MFU": "{:.2%}",
+    "bubble": "{:.2f}",
     "peak mem GB": "{:.2f}",
     "steps": "{}",
     "wall s": "{:.1f}",
@@ -236,10 +238,12 @@ def _cell(row: dict, column: str) -> str:
 
 
 def table_columns(rows: list[dict]) -> list[str]:
-    """COLUMNS, with a column per downstream metric any job has after "eval loss"."""
+    """COLUMNS, with a column per downstream metric any job has after "eval loss", and the
+    pipeline bubble after MFU when any job ran a pipeline that measures it."""
     tasks = sorted({k for row in rows for k in row if k.startswith("eval/")})
-    at = COLUMNS.index("eval loss") + 1
-    return COLUMNS[:at] + tasks + COLUMNS[at:]
+    at, mfu = COLUMNS.index("eval loss") + 1, COLUMNS.index("MFU") + 1
+    bubble = ["bubble"] if any(row.get("bubble") is not None for row in rows) else []
+    return COLUMNS[:at] + tasks + COLUMNS[at:mfu] + bubble + COLUMNS[mfu:]
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -80,6 +80,7 @@ HEAVIEST_FIRST = (
     "test_train.py",
     "test_bench.py",
     "test_pipelining.py",
+    "test_zero_bubble.py",
     "test_generate.py",
     "test_long_context.py",
     "test_tp.py",

@@ -149,6 +149,7 @@ def test_option_validates_or_names_mandatory_key(option, tmp_path):
         "offload=nvme": ["zero=stage3", f"offload.nvme_path={tmp_path}"],
         "pipeline=1f1b_torch": ["trainer.grad_accum=2"],
         "pipeline=interleaved": ["trainer.grad_accum=2"],
+        "pipeline=dualpipev": ["trainer.grad_accum=4"],  # a micro-batch per chunk: 2 ranks x 2
         "tp=auto": ["model=llama-tiny"],
     }  # DeepSpeed's AutoTP refuses the default GPT-2
     cfg = compose_config([option, *companions.get(option, [])])

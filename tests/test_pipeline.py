@@ -63,6 +63,8 @@ def test_gpt2_pipeline_matches_data_parallel(gpt2_pipeline, launch2):
     assert_close(train_losses(gpt2_pipeline), train_losses(reference))
     first = read_metrics(gpt2_pipeline)[0]
     assert first["tokens"] == 8 * 32, "one step is the global batch of 8 blocks"
+    # the step's bubble, from DeepSpeed's timed pipeline instructions, on every training line
+    assert all(0 < m["bubble"] < 1 for m in read_metrics(gpt2_pipeline) if "loss" in m)
 
 
 @pytest.mark.distributed

@@ -317,13 +317,16 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
     return dp_size // sp
 
 
+BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
+
+
 def _pipeline_check(config: TrainConfig) -> None:
     import re
 
     pipe, model = config.pipeline, config.model
     require(
         model.family in PIPELINE_FAMILIES,
-        f"pipeline={pipe.schedule} splits {' and '.join(PIPELINE_FAMILIES)} "
+        f"pipeline={pipe.schedule} splits {', '.join(PIPELINE_FAMILIES)} "
         f"models, not model.family={model.family}: choose pipeline=none",
     )
     chunks, layers = pipe.stages * pipe.virtual_stages, model.shape()["n_layer"]
@@ -341,7 +344,7 @@ def _pipeline_check(config: TrainConfig) -> None:
         require(
             matched >= chunks,
             f"pipeline.partition={pipe.partition} matches {matched} layers, fewer than the {chunks} "
-            f"pipeline stages: use type:{'GPT2Block' if model.family == 'gpt2' else 'BertLayer'}",
+            f"pipeline stages: use type:{BLOCK_CLASSES[model.family]}",
         )
     micro_batches = config.trainer.grad_accum or 1
     if pipe.schedule in ("1f1b_torch", "interleaved"):
@@ -350,11 +353,17 @@ def _pipeline_check(config: TrainConfig) -> None:
             f"pipeline={pipe.schedule} needs at least as many micro-batches as stages: trainer.grad_accum="
             f"{micro_batches} < pipeline.stages={pipe.stages}; raise trainer.grad_accum",
         )
-    if pipe.schedule == "interleaved":
+    if pipe.schedule == "dualpipev":  # DeepSeek's DualPipeV fills its V with one micro-batch per stage
+        require(
+            micro_batches >= chunks,
+            f"pipeline=dualpipev needs at least as many micro-batches as its {chunks} stages (pipeline.stages="
+            f"{pipe.stages} x 2): trainer.grad_accum={micro_batches}; raise trainer.grad_accum",
+        )
+    if pipe.schedule in ("interleaved", "interleaved_zb"):
         rounds = max(1, micro_batches // pipe.stages)
         require(
             micro_batches % rounds == 0,
-            f"pipeline=interleaved needs trainer.grad_accum={micro_batches} to be a "
+            f"pipeline={pipe.schedule} needs trainer.grad_accum={micro_batches} to be a "
             f"multiple of the {rounds} rounds of {pipe.stages} micro-batches: use a "
             "multiple of pipeline.stages",
         )

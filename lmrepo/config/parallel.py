@@ -128,22 +128,37 @@ class OffloadConfig:
 
 
 # The engine that runs each schedule: DeepSpeed's PipelineEngine, or torch.distributed.pipelining.
-PIPELINE_ENGINES = {"none": None, "1f1b": "deepspeed", "gpipe": "torch", "1f1b_torch": "torch", "interleaved": "torch"}
+PIPELINE_ENGINES = {
+    "none": None,
+    "1f1b": "deepspeed",
+    "gpipe": "torch",
+    "1f1b_torch": "torch",
+    "interleaved": "torch",
+    "interleaved_zb": "torch",
+    "zbv": "torch",
+    "dualpipev": "torch",
+}
 # OmegaConf matches an enum by member name, and "1f1b" is no Python identifier: the functional API.
 Schedule = StrEnum("Schedule", {name: name for name in PIPELINE_ENGINES})
-PIPELINE_FAMILIES = ("gpt2", "bert")
+PIPELINE_FAMILIES = ("gpt2", "llama", "bert")
+# Schedules whose ranks hold several model chunks: looped placement (rank r: chunks r, r + stages, ...).
+LOOPED_SCHEDULES = ("interleaved", "interleaved_zb")
+# Schedules of two chunks per rank in a V (rank r: chunks r and 2 x stages - 1 - r), Qi et al.'s ZB-V
+# and DeepSeek's DualPipeV: the first and last chunk on one rank.
+V_SCHEDULES = ("zbv", "dualpipev")
 
 
 @dataclass
 class PipelineConfig:
     schedule: Schedule = Schedule["none"]
-    """none | 1f1b (DeepSpeed) | gpipe, 1f1b_torch, interleaved (torch.distributed.pipelining)"""
+    """none | 1f1b (DeepSpeed) | gpipe, 1f1b_torch, interleaved, interleaved_zb, zbv, dualpipev
+    (torch.distributed.pipelining)"""
     stages: int = 1
     """pipeline ranks; world = stages x data-parallel degree"""
     partition: str = "parameters"
     """parameters (balance parameter counts) | uniform (layer counts) | type:<layer class regex>"""
     virtual_stages: int = 1
-    """interleaved: model chunks per rank"""
+    """model chunks per rank: interleaved, interleaved_zb >= 2; zbv, dualpipev exactly 2"""
 
     @property
     def engine(self) -> str | None:
@@ -157,14 +172,19 @@ class PipelineConfig:
             "pipeline.stages=1",
         )
         require(self.virtual_stages >= 1, f"pipeline.virtual_stages={self.virtual_stages} must be >= 1")
+        multi_chunk = self.schedule in LOOPED_SCHEDULES + V_SCHEDULES
         require(
-            self.schedule == "interleaved" or self.virtual_stages == 1,
-            f"pipeline.virtual_stages={self.virtual_stages} needs pipeline=interleaved "
-            "(the other schedules hold one chunk per rank)",
+            multi_chunk or self.virtual_stages == 1,
+            f"pipeline.virtual_stages={self.virtual_stages} needs pipeline=interleaved, interleaved_zb, zbv "
+            "or dualpipev (the other schedules hold one chunk per rank)",
         )
         require(
-            self.schedule != "interleaved" or self.virtual_stages >= 2,
-            "pipeline=interleaved needs pipeline.virtual_stages >= 2 (model chunks per rank)",
+            self.schedule not in LOOPED_SCHEDULES or self.virtual_stages >= 2,
+            f"pipeline={self.schedule} needs pipeline.virtual_stages >= 2 (model chunks per rank)",
+        )
+        require(
+            self.schedule not in V_SCHEDULES or self.virtual_stages == 2,
+            f"pipeline={self.schedule} places exactly two chunks per rank in a V: set pipeline.virtual_stages=2",
         )
         require(
             self.partition in ("parameters", "uniform") or self.partition.startswith("type:"),

@@ -2,11 +2,13 @@
 pipeline layers (lmrepo.models.pipe), 1F1B over trainer.grad_accum micro-batches per step."""
 
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
 from lmrepo.config import CheckpointingConfig, ModelConfig, PipelineConfig
 from lmrepo.engines.base import pipeline_inputs
 from lmrepo.engines.deepspeed import DeepSpeedEngine, enable_activation_checkpointing, initialize
+from lmrepo.engines.pipeline_timeline import Timeline, watch_deepspeed_pipeline
 from lmrepo.models import build_model, pipe
 
 
@@ -32,12 +34,27 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
             ds_engine.grid.get_data_parallel_rank(),
             ds_engine.grid.get_data_parallel_world_size(),
         )
+        self.timeline = Timeline()  # this rank's instructions of the last train_batch
+        watch_deepspeed_pipeline(self.timeline, ds_engine)
+        self.last_bubble: float | None = None
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
+        self.timeline.begin_step()
         loss = self.ds.train_batch(pipeline_inputs(batches)).detach().float()
+        self.timeline.end_step()
         # bf16 and ZeRO-1 keep the global norm; fp32 ZeRO-0 clips inside train_batch and keeps none
         self.last_grad_norm = self.ds.get_global_grad_norm()
+        # the bubble of the step, averaged over the pipeline ranks (the optimizer step left out)
+        bubble = torch.tensor([self.timeline.bubble()], device=self.device)
+        dist.all_reduce(bubble, group=self.ds.grid.get_pipe_parallel_group())
+        self.last_bubble = bubble.item() / self.ds.num_stages
         return loss
+
+    def step_record(self) -> dict:
+        record = super().step_record()
+        if self.last_bubble is not None:
+            record["bubble"] = self.last_bubble
+        return record
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:

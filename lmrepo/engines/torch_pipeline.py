@@ -1,14 +1,17 @@
 """PyTorch's own pipeline schedules (torch.distributed.pipelining: ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B) as an lmrepo Engine, so that the loop and checkpointing drive
-`pipeline=gpipe | 1f1b_torch | interleaved` exactly as they drive `pipeline=1f1b`, and one sweep
-compares the schedules on one model.
+ScheduleInterleaved1F1B, and the zero-bubble family ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble, ScheduleDualPipeV) as an lmrepo Engine, so that the loop and checkpointing
+drive `pipeline=gpipe | 1f1b_torch | interleaved | interleaved_zb | zbv | dualpipev` exactly as
+they drive `pipeline=1f1b`, and one sweep compares the schedules on one model.
 
 What DeepSpeed's engine would do around the schedule is done here, with DeepSpeed's own parts
 wherever they exist, so both paths train the same model the same way:
 - ranks: DeepSpeed's PipelineParallelGrid (pipe-major: stage s, replica d = rank s * dp + d);
-- the split: DeepSpeed's partition helpers over the same layer list (`partition`), chunk c
-  on pipeline rank c % stages (torch's round-robin: interleaved ranks hold virtual_stages chunks);
-- the step: gradients averaged over the micro-batches (the schedule's scale_grads) and the
+- the split: DeepSpeed's partition helpers over the same layer list (`partition`) into
+  stages x virtual_stages chunks, placed as the schedule needs (`placement`): looped, chunk c on
+  pipeline rank c % stages, or a V for ZB-V and DualPipeV (rank r: chunks r and 2 stages - 1 - r,
+  so the first and the last chunk, and with them both copies of a tied embedding, share rank 0);
+- the step: gradients averaged over the micro-batches (each parameter once) and the
   data-parallel replicas, the tied embedding's gradient summed between its first- and
   last-stage copies, the global gradient norm clipped (the tied weight counted once, as in
   the unsplit model), torch's AdamW / Adam with lmrepo's parameter groups, DeepSpeed's LR scheduler class;
@@ -37,21 +40,33 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 
 from lmrepo import safe_load
 from lmrepo.config import CheckpointingConfig, ModelConfig, OptimizerConfig, PipelineConfig
+from lmrepo.config.parallel import V_SCHEDULES
 from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
+from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
 from lmrepo.schedules import build_scheduler
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b_torch": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b_torch": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 
 
 # --- the split -----------------------------------------------------------------------------
@@ -71,6 +86,15 @@ def partition(layers: list, parts: int, method: str) -> list[int]:
         for index in PipelineModule._find_layer_type(specs, method.split(":", 1)[1]):
             weights[index] = 1
     return partition_balanced(weights=weights, num_parts=parts)
+
+
+def placement(schedule: str, stages: int, virtual: int) -> list[int]:
+    """The pipeline rank of each chunk: a V for ZB-V and DualPipeV (chunks 0..stages-1 down the
+    ranks, then back up: torch's generate_stage_to_rank_mapping(style="v")), else looped."""
+    chunks = range(stages * virtual)
+    if schedule in V_SCHEDULES:
+        return [c if c < stages else 2 * stages - 1 - c for c in chunks]
+    return [c % stages for c in chunks]
 
 
 def tied_owner(layers: list, index: int) -> int:
@@ -109,15 +133,15 @@ def build_layer(spec) -> nn.Module:
     return TiedForward(module, spec.forward_fn) if is_tied_copy(spec) else module
 
 
-def print_split(layers: list, parts: list[int], stages: int, schedule: str, micro_batches: int) -> None:
+def print_split(layers: list, parts: list[int], ranks: list[int], schedule: str, micro_batches: int) -> None:
     """What DeepSpeed prints for its pipeline, plus the pipeline rank of each chunk."""
     print(
-        f"torch.distributed.pipelining {SCHEDULES[schedule].__name__}: {len(parts) - 1} stages on {stages} "
-        f"pipeline ranks, {micro_batches} micro-batches per step"
+        f"torch.distributed.pipelining {SCHEDULES[schedule].__name__}: {len(parts) - 1} stages on "
+        f"{max(ranks) + 1} pipeline ranks, {micro_batches} micro-batches per step"
     )
     for chunk in range(len(parts) - 1):
         start, stop = parts[chunk], parts[chunk + 1]
-        print(f"stage={chunk} rank={chunk % stages} layers={stop - start}")
+        print(f"stage={chunk} rank={ranks[chunk]} layers={stop - start}")
         for index in range(start, stop):
             print(f"    {index:2d}: {layers[index].typename.__name__}")
 
@@ -163,18 +187,33 @@ class TorchPipelineEngine:
         self.loss, self.layer_specs = loss, layers
         # plain ints: DeepSpeed's partition gives numpy ints, which a weights-only load refuses
         self.parts = [int(p) for p in partition(layers, self.stages * virtual, str(pipeline.partition))]
+        self.placement = placement(pipeline.schedule, self.stages, virtual)
         if dist.get_rank() == 0:
-            print_split(layers, self.parts, self.stages, pipeline.schedule, self.micro_batches)
+            print_split(layers, self.parts, self.placement, pipeline.schedule, self.micro_batches)
 
-        # This rank's chunks: c = stage_id, stage_id + stages, ... (torch's round-robin placement).
-        self.chunk_ids = list(range(self.stage_id, self.stages * virtual, self.stages))
+        self.chunk_ids = [c for c, rank in enumerate(self.placement) if rank == self.stage_id]
         self.chunks = nn.ModuleList(
             Chunk({i: build_layer(layers[i]) for i in range(self.parts[c], self.parts[c + 1])}) for c in self.chunk_ids
         )
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
         non_reentrant_checkpointing(self.chunks)
-        self.schedule = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
+        self.schedule, stages = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
+        self.timeline = Timeline()  # this rank's actions of the last training step
+        watch_torch_stages(self.timeline, self.schedule, stages)
+        self.last_bubble: float | None = None
         self.eval_schedules = {}  # micro-batch count -> a forward-only schedule over stages of its own
+        # Evaluation: any schedule of the same placement will do, run forward only: LoopedBFS takes
+        # any micro-batch count. A V runs ZB-V's schedule with its backward (its gradients dropped:
+        # the next step zeroes them): torch's runtime hands a V's turn (chunk p-1 to p, same rank)
+        # through the backward, and refuses a forward-only schedule (every stage needs backward actions).
+        self.v_placement = pipeline.schedule in V_SCHEDULES
+        self.eval_kind = (
+            ScheduleZBVZeroBubble
+            if self.v_placement
+            else ScheduleGPipe
+            if len(self.chunk_ids) == 1
+            else ScheduleLoopedBFS
+        )
 
         self.tied = self._tied_groups()
         self.optimizer = TORCH_OPTIMIZERS[optimizer.name](
@@ -191,14 +230,20 @@ class TorchPipelineEngine:
 
     # --- pieces of __init__
 
-    def _schedule(self, schedule_class, micro_batches: int):
+    def _schedule(self, schedule_class, micro_batches: int) -> tuple:
+        """(the schedule over this rank's chunks, their PipelineStages)."""
         stages = [
             PipelineStage(chunk, c, len(self.parts) - 1, self.device, group=self.grid.pp_proc_group)
             for c, chunk in zip(self.chunk_ids, self.chunks)
         ]
-        if schedule_class in (ScheduleGPipe, Schedule1F1B):
-            return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=self.loss)
-        return schedule_class(stages, n_microbatches=micro_batches, loss_fn=self.loss)
+        # scale_grads=False: the schedule would divide each stage's gradients by the micro-batch count,
+        # twice for a parameter two stages of one rank share (a V's tied embedding); _scale_gradients
+        # divides each parameter once.
+        one_stage = schedule_class in (ScheduleGPipe, Schedule1F1B)
+        schedule = schedule_class(
+            stages[0] if one_stage else stages, n_microbatches=micro_batches, loss_fn=self.loss, scale_grads=False
+        )
+        return schedule, stages
 
     def _tied_groups(self) -> list[tuple]:
         """(process group, this rank's tied parameter, counted in the norm here) for each tied
@@ -207,7 +252,7 @@ class TorchPipelineEngine:
         tied = []
         for key in keys:
             indices = [i for i, spec in enumerate(self.layer_specs) if getattr(spec, "key", None) == key]
-            holders = sorted({self._chunk_of(i) % self.stages for i in indices})
+            holders = sorted({self.placement[self._chunk_of(i)] for i in indices})
             if len(holders) < 2:
                 continue  # one rank holds every copy: they are one parameter
             for replica in range(self.dp):
@@ -216,7 +261,7 @@ class TorchPipelineEngine:
                 if dist.get_rank() in ranks:
                     index = next(i for i in indices if i in self.layers)
                     module = self.layers[index].module if is_tied_copy(self.layer_specs[index]) else self.layers[index]
-                    owner = self._chunk_of(indices[0]) % self.stages == self.stage_id
+                    owner = self.placement[self._chunk_of(indices[0])] == self.stage_id
                     tied += [
                         (group, PipelineModule._recursive_getattr(module, attr), owner)
                         for attr in self.layer_specs[index].tied_weight_attr
@@ -238,7 +283,8 @@ class TorchPipelineEngine:
         return self.optimizer.param_groups[0]["lr"]
 
     def step_record(self) -> dict:
-        return {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}
+        record = {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}
+        return record | ({"bubble": self.last_bubble} if self.last_bubble is not None else {})
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         return self.train_batch(pipeline_inputs(batches))
@@ -249,9 +295,10 @@ class TorchPipelineEngine:
         self.train()
         return loss
 
-    def _run(self, schedule, data_iter, micro_batches: int, train: bool) -> torch.Tensor:
-        """One pass of `schedule` over `micro_batches` (inputs, labels) pairs; the mean loss of the
-        micro-batches on the last stage, averaged over the replicas and sent to every stage."""
+    def _run(self, schedule, data_iter, micro_batches: int, train: bool, backward: bool | None = None) -> torch.Tensor:
+        """One pass of `schedule` over `micro_batches` (inputs, labels) pairs, with the backward when
+        training (or asked to); the mean loss of the micro-batches on the last stage, averaged over
+        the replicas and sent to every stage."""
         pairs = [next(data_iter) for _ in range(micro_batches)]
         # inputs: input ids, or (input ids, position ids) of packed documents, as separate arguments
         inputs = [p[0] if isinstance(p[0], tuple) else (p[0],) for p in pairs]
@@ -260,19 +307,26 @@ class TorchPipelineEngine:
         first, last = 0 in self.chunk_ids, len(self.parts) - 2 in self.chunk_ids
         args = inputs if first else ()
         losses = []
+        if train:
+            self.timeline.begin_step()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            run = schedule.step if train else schedule.eval
+            run = schedule.step if (train if backward is None else backward) else schedule.eval
             run(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
+        if train:
+            self.timeline.end_step()
         loss = torch.stack(losses).detach().float().mean() if last else torch.zeros((), device=self.device)
         if last and self.dp > 1:
             dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
             loss /= self.dp
-        dist.broadcast(loss, src=self.grid.stage_to_global(self.stages - 1), group=self.grid.pp_proc_group)
+        src = self.grid.stage_to_global(self.placement[-1])  # the rank of the last chunk
+        dist.broadcast(loss, src=src, group=self.grid.pp_proc_group)
         return loss
 
     def train_batch(self, data_iter) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._run(self.schedule, data_iter, self.micro_batches, train=True)  # grads: mean over micro-batches
+        loss = self._run(self.schedule, data_iter, self.micro_batches, train=True)  # grads: sum over micro-batches
+        self._measure_bubble()
+        self._scale_gradients()  # the mean over micro-batches
         self._reduce_gradients()
         self._clip_gradients(self.gradient_clipping)
         self.optimizer.step()
@@ -283,16 +337,30 @@ class TorchPipelineEngine:
     def eval_batch(self, data_iter, num_micro_batches: int) -> torch.Tensor:
         if num_micro_batches not in self.eval_schedules:
             # Stages of its own: a stage's buffers are sized for one schedule's micro-batch count.
-            # Forward only, so any schedule of the right kind will do; LoopedBFS takes any count.
-            kind = ScheduleGPipe if len(self.chunk_ids) == 1 else ScheduleLoopedBFS
-            self.eval_schedules[num_micro_batches] = self._schedule(kind, num_micro_batches)
+            self.eval_schedules[num_micro_batches] = self._schedule(self.eval_kind, num_micro_batches)[0]
+        schedule = self.eval_schedules[num_micro_batches]
+        if self.v_placement:
+            return self._run(schedule, data_iter, num_micro_batches, train=False, backward=True)
         with torch.no_grad():
-            return self._run(self.eval_schedules[num_micro_batches], data_iter, num_micro_batches, train=False)
+            return self._run(schedule, data_iter, num_micro_batches, train=False)
 
     # --- the step's collectives
 
+    def _measure_bubble(self) -> None:
+        """The step's bubble, averaged over the pipeline ranks: the fraction of the schedule's wall
+        time each spent in none of its forward and backward actions."""
+        bubble = torch.tensor([self.timeline.bubble()], device=self.device)
+        dist.all_reduce(bubble, group=self.grid.pp_proc_group)
+        self.last_bubble = bubble.item() / self.stages
+
     def _gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.chunks.parameters() if p.grad is not None]
+
+    def _scale_gradients(self) -> None:
+        """The micro-batch losses are means: the step's gradient is the mean of theirs (div_, as the
+        schedule's own scale_grads, so the same rounding)."""
+        for grad in self._gradients():
+            grad.div_(self.micro_batches)
 
     def _reduce_gradients(self) -> None:
         # The first and last stage hold copies of the tied embedding: each copy gets the sum of

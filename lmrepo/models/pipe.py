@@ -1,4 +1,4 @@
-"""GPT-2 and BERT as a sequence of pipeline layers (the usual split: pre-process, blocks,
+"""GPT-2, Llama and BERT as a sequence of pipeline layers (the usual split: pre-process, blocks,
 post-process), built around the modules of an ordinary transformers model.
 
 The layers wrap the transformers model's own modules, so a pipelined run starts from exactly
@@ -67,8 +67,8 @@ class GPT2BlockPipe(nn.Module):
 
 
 class NormPipe(nn.Module):
-    """A layer that is one module applied to the hidden states: GPT-2's final LayerNorm, BERT's
-    MLM head transform (dense, GELU, LayerNorm)."""
+    """A layer that is one module applied to the hidden states: GPT-2's final LayerNorm, Llama's
+    RMSNorm and untied LM head, BERT's MLM head transform (dense, GELU, LayerNorm)."""
 
     def __init__(self, norm):
         super().__init__()
@@ -86,6 +86,68 @@ def gpt2_layers(net) -> list:
         *[LayerSpec(GPT2BlockPipe, block, net.config) for block in t.h],
         LayerSpec(NormPipe, t.ln_f),
         TiedLayerSpec("embed", GPT2EmbeddingPipe, t, forward_fn=gpt2_logits, tied_weight_attr="wte.weight"),
+    ]
+
+
+# --- Llama ---------------------------------------------------------------------------------
+
+
+class LlamaEmbeddingPipe(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.embed_tokens = model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+def llama_logits(embedding: LlamaEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head of a Llama with tied embeddings (model.tie_embeddings=true)."""
+    return F.linear(hidden, embedding.embed_tokens.weight)
+
+
+class LlamaLayerPipe(nn.Module):
+    """One decoder layer, with the rotary angles LlamaModel computes once and hands every layer
+    (recomputed here per layer: only a tensor crosses a stage boundary; the rotary module has no
+    parameters and its inv_freq buffer is not saved)."""
+
+    def __init__(self, layer, rotary_emb, config):
+        super().__init__()
+        self.layer, self.rotary_emb, self.config = layer, rotary_emb, config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+        )
+        return self.layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=None,
+            use_cache=False,
+            position_embeddings=self.rotary_emb(hidden, position_ids=positions),
+        )
+
+
+def llama_layers(net) -> list:
+    model = net.model
+    blocks = [LayerSpec(LlamaLayerPipe, layer, model.rotary_emb, net.config) for layer in model.layers]
+    if net.config.tie_word_embeddings:
+        return [
+            TiedLayerSpec("embed", LlamaEmbeddingPipe, model, tied_weight_attr="embed_tokens.weight"),
+            *blocks,
+            LayerSpec(NormPipe, model.norm),
+            TiedLayerSpec(
+                "embed", LlamaEmbeddingPipe, model, forward_fn=llama_logits, tied_weight_attr="embed_tokens.weight"
+            ),
+        ]
+    # Untied (Llama's default): the head is a layer of its own, one module applied to the hidden states.
+    return [
+        LayerSpec(LlamaEmbeddingPipe, model),
+        *blocks,
+        LayerSpec(NormPipe, model.norm),
+        LayerSpec(NormPipe, net.lm_head),
     ]
 
 
@@ -144,14 +206,14 @@ def bert_layers(net) -> list:
 
 # --- both ----------------------------------------------------------------------------------
 
-LAYERS = {"gpt2": gpt2_layers, "bert": bert_layers}
+LAYERS = {"gpt2": gpt2_layers, "llama": llama_layers, "bert": bert_layers}
 
 
 class LMLoss:
     """transformers' own loss functions (shifted for GPT-2), so both paths compute the same loss."""
 
     def __init__(self, family: str, vocab_size: int):
-        self.function = ForCausalLMLoss if family == "gpt2" else ForMaskedLMLoss
+        self.function = ForMaskedLMLoss if family == "bert" else ForCausalLMLoss
         self.vocab_size = vocab_size
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -185,4 +247,6 @@ def layer_class_names(family: str, n_layer: int) -> list[str]:
     """The class name of every pipeline layer, in order, without building a model (for checks)."""
     if family == "gpt2":
         return ["GPT2EmbeddingPipe", *["GPT2BlockPipe"] * n_layer, "NormPipe", "GPT2EmbeddingPipe"]
+    if family == "llama":  # untied: the head is a NormPipe (tied, a LlamaEmbeddingPipe: no block either way)
+        return ["LlamaEmbeddingPipe", *["LlamaLayerPipe"] * n_layer, "NormPipe", "NormPipe"]
     return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "NormPipe", "BertEmbeddingPipe", "BiasPipe"]

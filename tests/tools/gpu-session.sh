@@ -160,7 +160,7 @@ export -f install_wheels versions build_fused_adam gpu_tests job
 main() {
   echo "lmrepo GPU session at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ), budget ${BUDGET}s"
   mkdir -p "$WORK"
-  rm -rf "$WORK"/default "$WORK"/gpt2*     # a rerun on a warm machine starts the jobs afresh
+  rm -rf "$WORK"/default "$WORK"/gpt2* "$WORK"/long_* "$WORK"/moe     # a rerun on a warm machine starts the jobs afresh
   # The caps and reserves assume (estimates, not yet measured): install ~10 s, versions ~15, the
   # fused_adam build 1-2 min, the tests a few minutes (8 train.py runs, the first tokenizes
   # Shakespeare), each job under a minute.
@@ -168,12 +168,17 @@ main() {
   step versions 60 0 versions
   step fused_adam_build 240 180 build_fused_adam
   step pytest_gpu 330 90 gpu_tests
-  step job_default 90 45 job default trainer.max_steps=60 logger=jsonl
-  # GPT-2 124M, bf16, 8 x 1024 tokens: DeepSpeed ZeRO-0 and ZeRO-3 and FSDP2 (zero=stage3), side by side
-  local gpt2="model=gpt2 data.block_size=1024 trainer.micro_batch_size=8 trainer.max_steps=40 precision=bf16"
-  step job_gpt2 90 90 job gpt2 $gpt2 logger=jsonl trainer.eval_every=0
-  step job_gpt2_zero3 90 45 job gpt2_zero3 $gpt2 zero=stage3 logger=jsonl trainer.eval_every=0
-  step job_gpt2_fsdp2 90 0 job gpt2_fsdp2 $gpt2 engine=fsdp2 logger=jsonl trainer.eval_every=0
+  step job_default 60 45 job default trainer.max_steps=60 logger=jsonl
+  # The tiled loss on CUDA: a Llama of 1B at 16k-token blocks with Llama 3's vocabulary size
+  # (128,256 rows: its logits dominate the peak), bf16, one sequence a step, untiled and in 16 tiles
+  local long="model=llama-1b model.n_positions=16384 model.vocab_size=128256 data.block_size=16384
+    trainer.micro_batch_size=1 trainer.max_steps=4 precision=bf16 logger=jsonl trainer.eval_every=0 trainer.log_every=1"
+  step job_long_untiled 75 60 job long_untiled $long
+  step job_long_tiled 75 45 job long_tiled $long trainer.loss_tiles=16
+  # Muon (its update compiled on CUDA) and a Mixtral-style MoE, GPT-2 124M-sized, bf16
+  local gpt2="model=gpt2 data.block_size=1024 trainer.micro_batch_size=8 trainer.max_steps=30 precision=bf16 logger=jsonl trainer.eval_every=0"
+  step job_gpt2_muon 90 45 job gpt2_muon $gpt2 optimizer=muon
+  step job_moe 75 0 job moe model=mixtral-tiny trainer.max_steps=30 precision=bf16 logger=jsonl trainer.eval_every=0
   echo
   echo "=== summary (${SECONDS}s)"
   printf '  %s\n' "${RESULTS[@]}"
