@@ -203,9 +203,10 @@ def speeches(tmp_path_factory) -> tuple[str, ...]:
 
 @pytest.mark.distributed
 def test_two_rank_runs_keep_documents_apart(launch2, speeches, tmp_path):
-    """ZeRO-2 on 2 data-parallel ranks, DeepSpeed's 1F1B pipeline on 2 stages and a sequence-parallel
-    group of 2 train the same documents-apart model (to the pipeline's 1e-6, tests/test_pipeline.py), not the plain one; the
-    ZeRO-2 run resumes bit for bit from its step-3 checkpoint."""
+    """ZeRO-2 on 2 data-parallel ranks and DeepSpeed's 1F1B pipeline on 2 stages train the same
+    documents-apart model (to the pipeline's 1e-6, tests/test_pipeline.py), not the plain one, and
+    so does a sequence-parallel group of 2 (against one process); the ZeRO-2 run resumes bit for
+    bit from its step-3 checkpoint."""
     apart = (*speeches, "data.cross_document_attention=false")
     zero2 = launch2(*apart, "zero=stage2")
     piped = tmp_path / "piped"
