@@ -36,4 +36,10 @@ def build_engine(config: TrainConfig, ds_config: dict) -> Engine:
         return deepspeed_pipeline.build(config.model, config.checkpointing, pipeline, ds_config)
     from lmrepo.engines import deepspeed
 
-    return deepspeed.build(config.model, config.checkpointing, ds_config, compile=config.trainer.compile)
+    return deepspeed.build(
+        config.model,
+        config.checkpointing,
+        ds_config,
+        compile=config.trainer.compile,
+        expert_parallel_size=config.expert_parallel.size,
+    )
