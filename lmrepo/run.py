@@ -52,6 +52,19 @@ def prepare_job(job: Plan, run_dir: Path):
                 f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
                 "checkpoint conversion is not supported for pipelines here)"
             )
+        saved_ep = (resume.config.get("expert_parallel") or {}).get("size", 1)
+        if saved_ep != config.expert_parallel.size:
+            raise ConfigError(
+                f"this checkpoint was saved with expert_parallel.size={saved_ep}, this run has "
+                f"expert_parallel.size={config.expert_parallel.size}: resume with expert_parallel.size={saved_ep} (its "
+                "expert optimizer states are partitioned for that layout; re-cutting them is not supported)"
+            )
+        if config.model.family == "mixtral" and resume.partitioned and resume.dp_size != dp_size:
+            raise ConfigError(
+                f"this mixture-of-experts checkpoint was saved with {resume.dp_size} data-parallel rank(s), this run "
+                f"has {dp_size}: resume with {resume.dp_size} ranks (DeepSpeed's universal checkpoint conversion does "
+                "not re-cut expert partitions)"
+            )
         resume = checkpoint.prepare_universal(resume, dp_size)
         job.notes += [line for line in [continue_with_saved_adam(ds_config, resume.ds_config)] if line]
         job.notes += [line for line in [schedule_change(resume.config, config, resume.step)] if line]

@@ -209,7 +209,9 @@ def moe_check(config: TrainConfig) -> None:
     """What a mixture-of-experts model (DeepSpeed-MoE) combines with, each refusal one line."""
     size = config.expert_parallel.size
     if config.model.family != Family.mixtral:
-        require(size == 1, f"expert_parallel.size={size} splits experts: choose a model=mixtral-* preset or set it to 1")
+        require(
+            size == 1, f"expert_parallel.size={size} splits experts: choose a model=mixtral-* preset or set it to 1"
+        )
         return
     moe = config.model.moe
     require(

@@ -154,3 +154,62 @@ def moe_record(model: nn.Module) -> dict:
     if layers[0].moe.deepspeed_moe.gate.drop_tokens:
         record["dropped_frac"] = (dropped / routes.sum()).item()
     return record
+
+
+def to_transformers_mixtral(model: MixtralStyleForCausalLM):
+    """The same function as transformers' MixtralForCausalLM (what scripts/export_hf.py writes):
+    Mixtral has an MoE MLP in every block and renormalises the top-k weights for any k, so
+    model.moe.every must be 1 and model.moe.top_k >= 2 (DeepSpeed's top-1 gate weights the expert
+    by its probability, Mixtral's by 1). Each expert's gate and up projections become one row of
+    `gate_up_proj`, its down projection one of `down_proj`; the router's matrix is `gate.weight`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lmrepo.errors import ConfigError
+
+    config, moe = model.config, model.config.moe
+    if moe["every"] != 1 or moe["top_k"] < 2:
+        raise ConfigError(
+            f"transformers' Mixtral has an MoE MLP in every block and renormalises its top-k weights: this run's "
+            f"model.moe.every={moe['every']}, model.moe.top_k={moe['top_k']} has no Mixtral form (it needs every=1 "
+            "and top_k >= 2); scripts/evaluate.py still evaluates it (in memory)"
+        )
+    mixtral = MixtralConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=config.rope_parameters,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_dropout=config.attention_dropout,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        num_local_experts=moe["experts"],
+        num_experts_per_tok=moe["top_k"],
+        router_aux_loss_coef=moe["aux_loss_coef"],
+    )
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if ".mlp.moe." not in name:
+            state[name] = tensor
+    for index, layer in enumerate(model.model.layers):
+        prefix, moe_layer = f"model.layers.{index}.mlp.", layer.mlp.moe.deepspeed_moe
+        experts = moe_layer.experts.deepspeed_experts
+        state[prefix + "gate.weight"] = moe_layer.gate.wg.weight
+        state[prefix + "experts.gate_up_proj"] = torch.stack(
+            [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]
+        )
+        state[prefix + "experts.down_proj"] = torch.stack([e.down_proj.weight for e in experts])
+    out = MixtralForCausalLM(mixtral)
+    missing, unexpected = out.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConfigError(f"the Mixtral form does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    out.tie_weights()
+    return out.eval()
