@@ -16,7 +16,7 @@ from lmrepo.data.prepare import prepare_sources
 from lmrepo.ds_config import batch_of, continue_with_saved_adam
 from lmrepo.engines import build_engine
 from lmrepo.errors import ConfigError, TrainingError
-from lmrepo.estimate import checkpointed_layers
+from lmrepo.estimate import active_block_params, checkpointed_layers
 from lmrepo.evaluation import Downstream
 from lmrepo.evaluation.tasks import TaskSet
 from lmrepo.loggers import build_sinks
@@ -117,8 +117,10 @@ def throughput_of(config: TrainConfig, ds_config: dict, device) -> Throughput:
     dtype = next((k for k in ("fp16", "bf16") if ds_config.get(k, {}).get("enabled")), "fp32")
     return Throughput(
         tokens_per_step=ds_config["train_batch_size"] * config.data.block_size,
-        flops_per_token=executed_flops_per_token(*args, checkpointed_layers(shape["n_layer"], config.checkpointing)),
-        model_flops_per_token=flops_per_token(*args, recompute=False),
+        flops_per_token=executed_flops_per_token(
+            *args, checkpointed_layers(shape["n_layer"], config.checkpointing), active_block_params(config.model)
+        ),
+        model_flops_per_token=flops_per_token(*args, recompute=False, block_params=active_block_params(config.model)),
         world_size=launch.world_size(),
         peak_tflops=peak_tflops(device_name(device.type), dtype, config.metrics.peak_tflops),
         device_type=device.type,

@@ -15,6 +15,7 @@ from conftest import (
     REPO,
     TINY,
     assert_ok,
+    compose_config,
     logged_steps,
     popen_train,
     read_metrics,
@@ -148,3 +149,22 @@ def test_a_run_with_no_mixtral_form_says_so_in_one_line(launch2, tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and proc.stderr.strip().startswith("lmrepo: error: transformers' Mixtral has")
+
+
+def test_flops_and_mfu_count_the_active_experts():
+    """A token passes through top_k of the experts: the block parameters FLOPs and MFU count are
+    the model's blocks less the experts it skips and the norms (which the 2-FLOPs rule leaves out)."""
+    from lmrepo.config import load
+    from lmrepo.estimate import active_block_params, meta_model
+    from lmrepo.metrics import flops_per_token
+
+    model = load(compose_config(["model=mixtral-tiny"])).model
+    blocks = sum(p.numel() for p in meta_model(model).model.layers.parameters())
+    l, h, skipped = model.n_layer, model.n_embd, model.moe.experts - model.moe.top_k
+    active = active_block_params(model)
+    assert active == blocks - l * skipped * 3 * h * model.n_inner - l * 2 * h
+    dense = load(compose_config(["model=gpt2-tiny"])).model
+    assert active_block_params(dense) is None
+    gpt = flops_per_token(l, h, 256, 50257, recompute=False)
+    assert flops_per_token(l, h, 256, 50257, recompute=False, block_params=12 * l * h * h) == pytest.approx(gpt)
+    assert flops_per_token(l, h, 256, 50257, False, active) - gpt == pytest.approx(6 * (active - 12 * l * h * h))

@@ -86,9 +86,11 @@ class MoEMLP(nn.Module):
         ep_rank = int(os.environ.get("RANK", "0")) % ep_size
         for local, expert in enumerate(experts):
             index = ep_rank * len(experts) + local
-            generator = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + layer_index * 1_009 + index)
+            seed = (torch.initial_seed() * 1_000_003 + layer_index * 1_009 + index) % 2**63
+            generator = torch.Generator().manual_seed(seed)
             for param in expert.parameters():
-                param.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
+                if not param.is_meta:  # estimate.py's shapes-only model has nothing to draw
+                    param.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
 
     def _count_dropped(self, gate, inputs, output) -> None:
         # MOELayer asks its gate for sparse routes: (l_aux, capacity, experts, indices, ...); a
