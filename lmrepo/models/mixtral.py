@@ -13,7 +13,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from deepspeed.moe.layer import MoE
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -53,6 +52,10 @@ class MoEMLP(nn.Module):
     routes per expert and dropped routes are kept for the metrics line."""
 
     def __init__(self, config: LlamaConfig, layer_index: int):
+        # imported here: deepspeed's import announces its accelerator on stdout, which the
+        # estimate script (it counts this model's parameters) keeps for its own output
+        from deepspeed.moe.layer import MoE
+
         super().__init__()
         moe = config.moe
         ep_size = moe["expert_parallel_size"]
