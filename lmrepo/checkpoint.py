@@ -436,10 +436,16 @@ def inspect(
     )
     # A key the checkpoint's config does not have (older lmrepo) is the schema's default.
     saved_model = from_dict(ModelConfig, saved)
-    differs = [k for k in shape_keys if getattr(saved_model, k) != getattr(model_cfg, k)]
+    differs = [f"{k}={saved.get(k)}" for k in shape_keys if getattr(saved_model, k) != getattr(model_cfg, k)]
+    # a mixture of experts' shape: how many experts, in which blocks
+    differs += [
+        f"moe.{k}={getattr(saved_model.moe, k)}"
+        for k in ("experts", "every")
+        if getattr(saved_model.moe, k) != getattr(model_cfg.moe, k)
+    ]
     if differs:
         raise ConfigError(
-            f"checkpoint {tag_dir} is of another model ({', '.join(f'model.{k}={saved.get(k)}' for k in differs)}): "
+            f"checkpoint {tag_dir} is of another model ({', '.join(f'model.{k}' for k in differs)}): "
             "resume with the same model settings or point run.resume elsewhere"
         )
     saved_vocab = states.get("tokenizer_size")

@@ -25,6 +25,8 @@ COLUMNS = [
     "wall s",
     "status",
 ]
+# Columns only a mixture-of-experts job fills (shown when any job has them): column -> metrics key.
+MOE_COLUMNS = {"aux loss": "aux_loss", "expert load max": "expert_load_max", "dropped frac": "dropped_frac"}
 PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "tokens_per_s.png", "memory.png", "lr_vs_step.png")
 
 
@@ -193,6 +195,8 @@ def summarize(job: Job) -> dict:
         "final loss": train[-1]["loss"] if train else None,
         "eval loss": evals[-1]["eval_loss"] if evals else None,
         "grad norm": train[-1].get("grad_norm") if train else None,  # the last step's, before clipping
+        # a mixture of experts' last step: load-balancing term, busiest expert over the mean, routes dropped
+        **{column: train[-1].get(key) if train else None for column, key in MOE_COLUMNS.items()},
         "tokens/s": median("tokens_per_s"),
         "TFLOP/s": median("tflops"),
         "MFU": median("mfu"),
@@ -218,6 +222,9 @@ FORMATS = {
     "final loss": "{:.4f}",
     "eval loss": "{:.4f}",
     "grad norm": "{:.4g}",
+    "aux loss": "{:.4g}",
+    "expert load max": "{:.3f}",
+    "dropped frac": "{:.2%}",
     "tokens/s": "{:.0f}",
     "TFLOP/s": "{:.4g}",
     "MFU": "{:.2%}",
@@ -239,11 +246,13 @@ def _cell(row: dict, column: str) -> str:
 
 def table_columns(rows: list[dict]) -> list[str]:
     """COLUMNS, with a column per downstream metric any job has after "eval loss", and the
-    pipeline bubble after MFU when any job ran a pipeline that measures it."""
+    pipeline bubble after MFU when any job ran a pipeline that measures it, and the mixture-of-experts
+    columns any job fills after "grad norm"."""
     tasks = sorted({k for row in rows for k in row if k.startswith("eval/")})
-    at, mfu = COLUMNS.index("eval loss") + 1, COLUMNS.index("MFU") + 1
+    moe = [c for c in MOE_COLUMNS if any(row.get(c) is not None for row in rows)]
     bubble = ["bubble"] if any(row.get("bubble") is not None for row in rows) else []
-    return COLUMNS[:at] + tasks + COLUMNS[at:mfu] + bubble + COLUMNS[mfu:]
+    at, norm, mfu = COLUMNS.index("eval loss") + 1, COLUMNS.index("grad norm") + 1, COLUMNS.index("MFU") + 1
+    return COLUMNS[:at] + tasks + COLUMNS[at:norm] + moe + COLUMNS[norm:mfu] + bubble + COLUMNS[mfu:]
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -30,6 +30,23 @@ def meta_model(model_cfg) -> torch.nn.Module:
         return family.MODEL_CLASS._from_config(config)
 
 
+def active_block_params(model_cfg) -> float | None:
+    """A mixture of experts' block parameters one token passes through (its top_k experts, the
+    router, attention), for FLOPs and MFU; None for a dense model (the GPT form 12*l*h^2)."""
+    if model_cfg.family != "mixtral":
+        return None
+    shape, moe = model_cfg.shape(), model_cfg.moe
+    h, head = shape["n_embd"], shape["n_embd"] // shape["n_head"]
+    attention = 2 * h * shape["n_head"] * head + 2 * h * shape["n_kv_head"] * head
+    expert = 3 * h * model_cfg.n_inner
+    from lmrepo.models.mixtral import is_moe_block
+
+    mlp = sum(
+        moe.top_k * expert + h * moe.experts if is_moe_block(i, moe.every) else expert for i in range(shape["n_layer"])
+    )
+    return shape["n_layer"] * attention + mlp
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     # parameters() yields a shared Parameter once, so the tied input/output embedding counts once
     # (DeepSpeed dedups by data_ptr(), which meta tensors do not have).

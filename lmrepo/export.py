@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from lmrepo import checkpoint, safe_load
 from lmrepo.config import ModelConfig, from_dict
 from lmrepo.errors import ConfigError
-from lmrepo.models import FAMILIES, pipe
+from lmrepo.models import FAMILIES, mixtral, pipe
 from lmrepo.tokenizer import load_tokenizer
 
 
@@ -27,6 +27,16 @@ def consolidated_state_dict(directory: Path, tag: str, states: dict, model: torc
         with safe_load.weights_only_loads(directory / tag):
             return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
     return {k: v.float() for k, v in states["module"].items()}
+
+
+def moe_state_dict(tag_dir: Path, states: dict) -> dict:
+    """DeepSpeed-MoE keeps the experts out of the module's state dict: one file per (MoE layer,
+    expert) under the expert's global index, whichever rank held it. The module's weights are the
+    run's own (fp32 in an fp32 run; a bf16 run's bf16 copies of its fp32 master weights)."""
+    state = {k: v.float() for k, v in states["module"].items()}
+    for path in sorted(tag_dir.glob("layer_*_expert_*_model_states.pt")):
+        state.update({k: v.float() for k, v in safe_load.load(path).items()})
+    return state
 
 
 def pipeline_state_dict(tag_dir: Path, model, family: str) -> dict:
@@ -74,6 +84,8 @@ def consolidate(source: str) -> Consolidated:
     model = family.MODEL_CLASS(hf_config)
     if (directory / tag / "layer_00-model_states.pt").is_file():
         weights = pipeline_state_dict(directory / tag, model, model_cfg.family)
+    elif model_cfg.family == "mixtral":
+        weights = moe_state_dict(directory / tag, states)
     else:
         weights = consolidated_state_dict(directory, tag, states, model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -93,7 +105,8 @@ def consolidate(source: str) -> Consolidated:
 
 def export(source: str, out: Path) -> Path:
     whole = consolidate(source)
+    model = mixtral.to_transformers_mixtral(whole.model) if whole.config.family == "mixtral" else whole.model
     out.mkdir(parents=True, exist_ok=True)
-    whole.model.save_pretrained(out)
+    model.save_pretrained(out)
     load_tokenizer(whole.config.tokenizer, whole.config.pretrained).save_pretrained(out)
     return out

@@ -21,23 +21,34 @@ PEAK_TFLOPS = {
 }
 
 
-def flops_per_token(n_layer: int, n_embd: int, seq_len: int, vocab: int, recompute: bool) -> float:
+def flops_per_token(
+    n_layer: int, n_embd: int, seq_len: int, vocab: int, recompute: bool, block_params: float | None = None
+) -> float:
     """Training FLOPs per token of a GPT-style transformer (4h MLP). Forward is
     24*l*h^2*(1 + s/(6h)) per token plus 2*h*V for the logits; backward costs twice the forward;
     activation recomputation runs the transformer forward once more (not the logits):
-    without recompute 72*l*h^2*(1 + s/(6h) + V/(12*l*h)), with it 96*l*h^2*(1 + s/(6h) + V/(16*l*h))."""
-    l, h, s, v = n_layer, n_embd, seq_len, vocab
-    if recompute:
-        return 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    without recompute 72*l*h^2*(1 + s/(6h) + V/(12*l*h)), with it 96*l*h^2*(1 + s/(6h) + V/(16*l*h)).
+    `block_params`: the block parameters a token passes through, 2 FLOPs each forward, where the
+    12*l*h^2 of GPT's blocks does not hold: a mixture of experts counts its top_k experts, not all
+    (active_block_params); the attention scores, 4*l*s*h, stay."""
+    forward = layer_forward_flops(n_layer, n_embd, seq_len, block_params) * n_layer
+    return (4 if recompute else 3) * forward + 6 * n_embd * vocab
 
 
-def executed_flops_per_token(n_layer: int, n_embd: int, seq_len: int, vocab: int, recomputed_layers: int) -> float:
+def layer_forward_flops(n_layer: int, n_embd: int, seq_len: int, block_params: float | None = None) -> float:
+    """One block's forward FLOPs per token: 2 per parameter, 4*s*h for the attention scores."""
+    params = 12 * n_layer * n_embd * n_embd if block_params is None else block_params
+    return 2 * params / n_layer + 4 * seq_len * n_embd
+
+
+def executed_flops_per_token(
+    n_layer: int, n_embd: int, seq_len: int, vocab: int, recomputed_layers: int, block_params: float | None = None
+) -> float:
     """FLOPs per token a step actually runs when `recomputed_layers` blocks are checkpointed: each
     reruns its forward, 24*h^2*(1 + s/(6h)) per token (the logits are not recomputed). With every
     block recomputed this is the 96 form above."""
-    extra = 24 * recomputed_layers * n_embd * n_embd * (1 + seq_len / (6 * n_embd))
-    return flops_per_token(n_layer, n_embd, seq_len, vocab, recompute=False) + extra
+    extra = recomputed_layers * layer_forward_flops(n_layer, n_embd, seq_len, block_params)
+    return flops_per_token(n_layer, n_embd, seq_len, vocab, recompute=False, block_params=block_params) + extra
 
 
 def peak_tflops(device_name: str, dtype: str, override: float | None) -> float | None:

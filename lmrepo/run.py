@@ -16,7 +16,7 @@ from lmrepo.data.prepare import prepare_sources
 from lmrepo.ds_config import batch_of, continue_with_saved_adam
 from lmrepo.engines import build_engine
 from lmrepo.errors import ConfigError, TrainingError
-from lmrepo.estimate import checkpointed_layers
+from lmrepo.estimate import active_block_params, checkpointed_layers
 from lmrepo.evaluation import Downstream
 from lmrepo.evaluation.tasks import TaskSet
 from lmrepo.loggers import build_sinks
@@ -51,6 +51,19 @@ def prepare_job(job: Plan, run_dir: Path):
                 f"this pipeline checkpoint was saved with {resume.dp_size} data-parallel replica(s), this run "
                 f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
                 "checkpoint conversion is not supported for pipelines here)"
+            )
+        saved_ep = (resume.config.get("expert_parallel") or {}).get("size", 1)
+        if saved_ep != config.expert_parallel.size:
+            raise ConfigError(
+                f"this checkpoint was saved with expert_parallel.size={saved_ep}, this run has "
+                f"expert_parallel.size={config.expert_parallel.size}: resume with expert_parallel.size={saved_ep} (its "
+                "expert optimizer states are partitioned for that layout; re-cutting them is not supported)"
+            )
+        if config.model.family == "mixtral" and resume.partitioned and resume.dp_size != dp_size:
+            raise ConfigError(
+                f"this mixture-of-experts checkpoint was saved with {resume.dp_size} data-parallel rank(s), this run "
+                f"has {dp_size}: resume with {resume.dp_size} ranks (DeepSpeed's universal checkpoint conversion does "
+                "not re-cut expert partitions)"
             )
         resume = checkpoint.prepare_universal(resume, dp_size)
         job.notes += [line for line in [continue_with_saved_adam(ds_config, resume.ds_config)] if line]
@@ -104,8 +117,10 @@ def throughput_of(config: TrainConfig, ds_config: dict, device) -> Throughput:
     dtype = next((k for k in ("fp16", "bf16") if ds_config.get(k, {}).get("enabled")), "fp32")
     return Throughput(
         tokens_per_step=ds_config["train_batch_size"] * config.data.block_size,
-        flops_per_token=executed_flops_per_token(*args, checkpointed_layers(shape["n_layer"], config.checkpointing)),
-        model_flops_per_token=flops_per_token(*args, recompute=False),
+        flops_per_token=executed_flops_per_token(
+            *args, checkpointed_layers(shape["n_layer"], config.checkpointing), active_block_params(config.model)
+        ),
+        model_flops_per_token=flops_per_token(*args, recompute=False, block_params=active_block_params(config.model)),
         world_size=launch.world_size(),
         peak_tflops=peak_tflops(device_name(device.type), dtype, config.metrics.peak_tflops),
         device_type=device.type,

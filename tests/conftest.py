@@ -69,6 +69,7 @@ HEAVIEST_FIRST = (
     "test_distributed.py",
     "test_ds_configs.py",
     "test_checkpoint.py",
+    "test_moe.py",
     "test_sweep.py",
     "test_evaluate.py",
     "test_faults.py",

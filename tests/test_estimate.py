@@ -81,7 +81,7 @@ def test_exact_parameters_of_every_preset(preset):
     unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
     assert counted == sum(unique.values())
     m = cfg.model
-    tied = m.family != "llama" or m.tie_embeddings
+    tied = m.family not in ("llama", "mixtral") or m.tie_embeddings
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     l, h, V, s = m.n_layer, m.n_embd, m.vocab_size, m.n_positions
     if m.family == "llama":
@@ -89,6 +89,11 @@ def test_exact_parameters_of_every_preset(preset):
         # RMSNorms per layer and a final one; no biases, rotary positions have no parameters.
         kv = m.n_kv_head * (h // m.n_head)
         expected = l * (2 * h * h + 2 * h * kv + 3 * h * m.n_inner + 2 * h) + V * h * (1 if tied else 2) + h
+    elif m.family == "mixtral":
+        # llama's blocks with every MLP an MoE layer: the experts' SwiGLU matrices and a router h x experts
+        kv = m.n_kv_head * (h // m.n_head)
+        experts = m.moe.experts * 3 * h * m.n_inner + h * m.moe.experts
+        expected = l * (2 * h * h + 2 * h * kv + experts + 2 * h) + V * h * (1 if tied else 2) + h
     elif m.family == "gpt2":
         expected = round(estimate.formula_parameters(l, h, V, s)) + 2 * h  # + final layer norm
     else:

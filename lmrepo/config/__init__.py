@@ -25,6 +25,7 @@ from lmrepo.config.parallel import (
     CheckpointingConfig,
     EngineConfig,
     EngineName,
+    ExpertParallelConfig,
     OffloadConfig,
     OffloadTarget,
     PipelineConfig,
@@ -67,6 +68,7 @@ __all__ = [
     "PipelineConfig",
     "SequenceParallelConfig",
     "TPConfig",
+    "ExpertParallelConfig",
     "CheckpointingConfig",
     "LoggerConfig",
     "RunConfig",
@@ -96,6 +98,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -139,6 +142,7 @@ def load(cfg: DictConfig) -> TrainConfig:
         config.pipeline,
         config.tp,
         config.sequence_parallel,
+        config.expert_parallel,
         config.metrics,
         config.launcher,
         config.run,
@@ -164,6 +168,7 @@ def load(cfg: DictConfig) -> TrainConfig:
             f"trainer.loss_tiles={config.trainer.loss_tiles} does not combine with pipeline={config.pipeline.schedule} "
             "(its last stage computes the loss in the pipeline's layer list): set trainer.loss_tiles=1",
         )
+    moe_check(config)
     n_positions = config.model.shape()["n_positions"]
     require(
         config.data.block_size <= n_positions,
@@ -282,6 +287,64 @@ def sequence_parallel_check(config: TrainConfig) -> None:
         )
 
 
+def moe_check(config: TrainConfig) -> None:
+    """What a mixture-of-experts model (DeepSpeed-MoE) combines with, each refusal one line."""
+    size = config.expert_parallel.size
+    if config.model.family != Family.mixtral:
+        require(
+            size == 1, f"expert_parallel.size={size} splits experts: choose a model=mixtral-* preset or set it to 1"
+        )
+        return
+    moe = config.model.moe
+    require(
+        moe.experts % size == 0,
+        f"expert_parallel.size={size} does not divide model.moe.experts={moe.experts}: every rank holds the same "
+        "number of experts; change one of them",
+    )
+    require(
+        config.engine.name == EngineName.deepspeed,
+        f"model.family=mixtral runs on DeepSpeed-MoE: choose engine=deepspeed (engine={config.engine.name} has no "
+        "expert parallelism here)",
+    )
+    require(
+        config.zero.stage != 3,
+        "model.family=mixtral with zero=stage3: DeepSpeed refuses its native MoE under ZeRO-3; choose zero=stage1 "
+        "or zero=stage2 (optimizer states, gradients partitioned)",
+    )
+    require(
+        config.zero.stage != 0 or size == 1,
+        f"expert_parallel.size={size} with zero=stage0: DeepSpeed's ZeRO-0 clips with a gradient norm that "
+        "leaves out the other ranks' experts (its ZeRO-1/2 norm counts them); choose zero=stage1 or zero=stage2, "
+        "or expert_parallel.size=1",
+    )
+    require(
+        config.pipeline.schedule == "none",
+        f"model.family=mixtral with pipeline={config.pipeline.schedule}: DeepSpeed-MoE layers are not split into "
+        "pipeline stages here; choose pipeline=none",
+    )
+    require(
+        config.tp.mode == TPMode.none,
+        "model.family=mixtral with tp=auto: AutoTP does not split DeepSpeed-MoE experts; choose tp=none "
+        "(expert_parallel.size splits the experts)",
+    )
+    # Each of these replaces or splits the loss that carries the load-balancing term: not built for MoE yet.
+    require(
+        config.sequence_parallel.size == 1,
+        f"model.family=mixtral with sequence_parallel.size={config.sequence_parallel.size}: not supported for "
+        "mixture-of-experts models yet; set sequence_parallel.size=1",
+    )
+    require(
+        config.trainer.loss_tiles == 1,
+        f"model.family=mixtral with trainer.loss_tiles={config.trainer.loss_tiles}: the tiled loss does not carry "
+        "the experts' load-balancing loss; set trainer.loss_tiles=1",
+    )
+    require(
+        config.optimizer.name != "muon",
+        "model.family=mixtral with optimizer=muon: Muon is not verified with DeepSpeed-MoE's expert parameter "
+        "groups; choose optimizer=adamw",
+    )
+
+
 def layout_check(config: TrainConfig, world_size: int) -> int:
     """The rules of the rank layout; returns the data-parallel size. world = pipeline stages x
     tensor-parallel size x data-parallel degree."""
@@ -314,7 +377,14 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
         f"sequence_parallel.size={sp} does not divide the {dp_size} rank(s) (world = sequence_parallel.size x "
         "data-parallel ranks): change sequence_parallel.size or the rank count",
     )
-    return dp_size // sp
+    dp_size //= sp
+    ep = config.expert_parallel.size
+    require(
+        dp_size % ep == 0,
+        f"expert_parallel.size={ep} does not divide the {dp_size} data-parallel rank(s) (each group of "
+        "expert_parallel.size ranks holds every expert once): change expert_parallel.size or the rank count",
+    )
+    return dp_size
 
 
 BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks

@@ -1,7 +1,7 @@
 """`model`: which transformers architecture is built, its shape, tokenizer and starting weights."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Optional
@@ -15,12 +15,45 @@ class Family(StrEnum):
     gpt2 = "gpt2"
     bert = "bert"
     llama = "llama"
+    mixtral = "mixtral"
+
+
+@dataclass
+class MoEConfig:
+    """mixtral: the mixture-of-experts MLP (DeepSpeed-MoE, deepspeed.moe.layer.MoE, of SwiGLU experts)."""
+
+    experts: int = 8
+    """experts per MoE layer"""
+    top_k: int = 2
+    """experts each token is routed to; their softmax weights renormalised to sum to 1 (k >= 2, as Mixtral)"""
+    every: int = 1
+    """every k-th block's MLP is an MoE layer (the others stay dense SwiGLU); 1 = all, as Mixtral"""
+    drop_tokens: bool = False
+    """drop the tokens past an expert's capacity (Switch/GShard); false = no dropping, exact routing"""
+    capacity_factor: float = 1.0
+    """with drop_tokens: an expert takes capacity_factor x top_k x tokens / experts tokens per batch"""
+    min_capacity: int = 4
+    """with drop_tokens: an expert takes at least this many tokens per batch"""
+    aux_loss_coef: float = 0.01
+    """weight of the load-balancing loss (Switch/GShard) added to the loss that is optimised"""
+
+    def check(self) -> None:
+        require(self.experts >= 2, f"model.moe.experts={self.experts} must be >= 2")
+        require(
+            1 <= self.top_k <= self.experts,
+            f"model.moe.top_k={self.top_k} must be in [1, model.moe.experts={self.experts}]",
+        )
+        require(self.every >= 1, f"model.moe.every={self.every} must be >= 1")
+        require(self.capacity_factor > 0, f"model.moe.capacity_factor={self.capacity_factor} must be > 0")
+        require(self.min_capacity >= 0, f"model.moe.min_capacity={self.min_capacity} must be >= 0")
+        require(self.aux_loss_coef >= 0, f"model.moe.aux_loss_coef={self.aux_loss_coef} must be >= 0")
 
 
 @dataclass
 class ModelConfig:
     family: Family = MISSING
-    """architecture: gpt2 (causal LM), bert (masked LM), llama (causal LM: RMSNorm, rotary, SwiGLU)"""
+    """architecture: gpt2 (causal LM), bert (masked LM), llama (causal LM: RMSNorm, rotary, SwiGLU), mixtral
+    (llama with mixture-of-experts MLPs)"""
     name: str = MISSING
     """the preset's name, for tags and tables"""
     n_layer: int = MISSING
@@ -49,6 +82,8 @@ class ModelConfig:
     """PATH of a Hugging Face model directory: its architecture and weights replace the preset's"""
     zero_init: bool = False
     """ZeRO-3: build the model already partitioned (deepspeed.zero.Init) when it does not fit one rank"""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """mixtral: the mixture-of-experts keys (read by family=mixtral only)"""
 
     def shape(self) -> dict:
         """The architecture that will be built: the preset's, or the pretrained directory's."""
@@ -85,6 +120,13 @@ class ModelConfig:
             require(value is None or value >= 1, f"model.{key}={value} must be >= 1 (or null)")
         require(0 <= self.dropout < 1, f"model.dropout={self.dropout} must be in [0, 1)")
         require(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0")
+        if self.family == Family.mixtral:
+            self.moe.check()
+            require(
+                self.pretrained is None,
+                f"model.pretrained={self.pretrained}: family=mixtral trains from random init here (loading a "
+                "transformers Mixtral directory is not offered): set model.pretrained=null",
+            )
         shape = self.shape()
         require(
             shape["n_embd"] % shape["n_head"] == 0,

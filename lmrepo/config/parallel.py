@@ -197,6 +197,18 @@ class PipelineConfig:
                 raise ConfigError(f"pipeline.partition={self.partition}: not a regular expression ({err})") from None
 
 
+@dataclass
+class ExpertParallelConfig:
+    """How a mixture-of-experts model's experts are split (model.family=mixtral)."""
+
+    size: int = 1
+    """ranks that split each MoE layer's experts between them (DeepSpeed-MoE's ep_size); the
+    data-parallel ranks are groups of this many, each group holding every expert once"""
+
+    def check(self) -> None:
+        require(self.size >= 1, f"expert_parallel.size={self.size} must be >= 1")
+
+
 class TPMode(StrEnum):
     none = "none"
     auto = "auto"

@@ -43,6 +43,7 @@ def build_engine(config: TrainConfig, ds_config: dict) -> Engine:
         compile=config.trainer.compile,
         compile_muon=compile_muon(config.optimizer.compile),
         loss_tiles=config.trainer.loss_tiles,
+        expert_parallel_size=config.expert_parallel.size,
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from deepspeed.runtime.utils import clip_grad_norm_
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -16,20 +17,29 @@ from lmrepo.device import isolate_compile_cache
 from lmrepo.engines.base import to_device
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
+from lmrepo.models.mixtral import moe_record
 from lmrepo.muon import compile_muon_update, muon_parameters
 from lmrepo.schedules import client_scheduler
 from lmrepo.sequence_parallel import Slicer, register
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (linear and embedding weights), not on biases and norms (as nanoGPT)."""
+    """Weight decay on matrices (linear and embedding weights), not on biases and norms (as nanoGPT).
+    A mixture of experts' expert weights go in groups of their own: DeepSpeed reduces and
+    partitions them over the expert-data-parallel ranks, not over all ranks."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             # Under ZeRO-3's zero.Init a parameter is an empty placeholder; ds_shape is its real shape.
             ndim = len(getattr(param, "ds_shape", param.shape))
             (decay if ndim >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+    if any(is_moe_param(param) for param in decay):
+        return split_params_into_different_moe_groups_for_optimizer(groups)
+    return [{k: v for k, v in group.items() if k != "name"} for group in groups]
 
 
 def initialize(model: torch.nn.Module, ds_config: dict, mpu=None, compile_muon: bool = False):
@@ -176,6 +186,7 @@ class DeepSpeedEngine:
         record = {"grad_norm": float(norm)} if norm is not None else {}
         if self.ds.fp16_enabled():
             record.update(loss_scale=float(self.ds.optimizer.loss_scale), skipped_steps=int(self.ds.skipped_steps))
+        record.update(moe_record(self.module))  # a mixture of experts' aux_loss and expert load
         return record
 
     def save(self, directory: Path, tag: str, client_state: dict) -> None:
@@ -198,6 +209,7 @@ def build(
     compile: bool = False,
     compile_muon: bool = False,
     loss_tiles: int = 1,
+    expert_parallel_size: int = 1,
 ) -> DeepSpeedEngine:
     zero3 = None
     if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
@@ -207,7 +219,9 @@ def build(
         zero3 = HfDeepSpeedConfig(ds_config)
     sequence_parallel = ds_config.get("sequence_parallel_size", 1)
     own_loss = loss_tiles > 1 or sequence_parallel > 1
-    model = build_model(model_cfg, loss_tiles=loss_tiles if own_loss else None)
+    model = build_model(
+        model_cfg, loss_tiles=loss_tiles if own_loss else None, expert_parallel_size=expert_parallel_size
+    )
     enable_activation_checkpointing(model, checkpointing, ds_config)
     if sequence_parallel > 1:
         mpu = register(model, sequence_parallel, ds_config["train_micro_batch_size_per_gpu"])

@@ -4,6 +4,18 @@ import json
 from pathlib import Path
 
 
+def scalars(record: dict) -> dict:
+    """A record for loggers that plot scalars: a list (a mixture of experts' `expert_tokens`)
+    becomes one key per element, `expert_tokens/0`, `expert_tokens/1`, ..."""
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, list):
+            flat.update({f"{key}/{i}": v for i, v in enumerate(value)})
+        else:
+            flat[key] = value
+    return flat
+
+
 class JsonlSink:
     def __init__(self, run_dir: Path):
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -22,7 +34,7 @@ class TensorBoardSink:
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, record: dict) -> None:
-        for key, value in record.items():
+        for key, value in scalars(record).items():
             if key not in ("step", "time") and isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, record["step"])
 

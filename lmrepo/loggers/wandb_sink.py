@@ -9,6 +9,8 @@ from urllib.parse import urlparse
 
 import wandb
 
+from lmrepo.loggers import scalars
+
 
 def server_url() -> str:
     """W&B's own default (it has changed between releases), or WANDB_BASE_URL."""
@@ -91,7 +93,8 @@ class WandbSink:
         if isinstance(record.get(self.objective_key), (int, float)):
             self.objective = record[self.objective_key]
         self.run.log(
-            {k: v for k, v in record.items() if k not in ("step", "time") and v is not None}, step=record["step"]
+            {k: v for k, v in scalars(record).items() if k not in ("step", "time") and v is not None},
+            step=record["step"],
         )
 
     def finish(self) -> None:

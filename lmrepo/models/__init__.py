@@ -4,19 +4,23 @@ from types import ModuleType
 
 from transformers import PreTrainedModel
 
-from lmrepo.models import bert, causal_loss, gpt2, llama
+from lmrepo.models import bert, causal_loss, gpt2, llama, mixtral
 
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "llama": llama}
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "llama": llama, "mixtral": mixtral}
 
 
-def build_model(model, loss_tiles: int | None = None) -> PreTrainedModel:
+def build_model(model, loss_tiles: int | None = None, expert_parallel_size: int = 1) -> PreTrainedModel:
     """loss_tiles None: transformers' own loss; a number: lmrepo's (models/causal_loss.py) in that
-    many chunks of the sequence (causal families only)."""
+    many chunks of the sequence (causal families only). `expert_parallel_size`: how many ranks split
+    a mixture of experts' experts (this rank builds its share); dense families ignore it."""
     family = FAMILIES[model.family]
     if model.pretrained:
         net = family.MODEL_CLASS.from_pretrained(model.pretrained, **family.dropout_overrides(model))
     else:
-        net = family.MODEL_CLASS._from_config(family.hf_config(model))
+        hf_config = family.hf_config(model)
+        if hasattr(hf_config, "moe"):
+            hf_config.moe["expert_parallel_size"] = expert_parallel_size
+        net = family.MODEL_CLASS._from_config(hf_config)
     # Training never reuses attention key/value caches.
     net.config.use_cache = False
     # Named, transformers does not warn from inside forward (a graph break under torch.compile).

@@ -1,0 +1,220 @@
+"""Mixtral-style mixture of experts: Llama blocks (RMSNorm, rotary, grouped-query attention) whose
+MLP is a DeepSpeed-MoE layer (deepspeed.moe.layer.MoE) of SwiGLU experts, with softmax top-k
+routing renormalised over the chosen experts (DeepSpeed's top-2 and top-k gates do; its top-1 gate
+weights the expert by its probability, as Switch does).
+
+DeepSpeed's MoE builds every local expert as a copy of one module; here each expert gets its own
+initial weights, drawn from a generator seeded by (seed, layer, global expert index), so the model
+is the same function whatever `expert_parallel.size` splits it. The loss that is optimised is
+the language-model loss plus `aux_loss_coef` x the sum of the MoE layers' load-balancing losses;
+in eval mode the loss is the language-model loss alone (comparable with a dense model's)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from lmrepo.models import llama
+
+LOSS_TYPE = "ForCausalLM"
+
+
+def hf_config(model) -> LlamaConfig:
+    """Llama's config with the MoE keys beside it (read by MixtralStyleForCausalLM)."""
+    config = llama.hf_config(model)
+    config.moe = {
+        "experts": model.moe.experts,
+        "top_k": model.moe.top_k,
+        "every": model.moe.every,
+        "drop_tokens": model.moe.drop_tokens,
+        "capacity_factor": model.moe.capacity_factor,
+        "min_capacity": model.moe.min_capacity,
+        "aux_loss_coef": model.moe.aux_loss_coef,
+        "expert_parallel_size": 1,  # build_model sets the run's
+    }
+    return config
+
+
+dropout_overrides = llama.dropout_overrides
+
+
+def is_moe_block(index: int, every: int) -> bool:
+    """Block `index` (from 0) has an MoE MLP when it is every `every`-th: with every=2 the 2nd,
+    4th, ... (as Switch and GShard alternate dense and MoE layers)."""
+    return (index + 1) % every == 0
+
+
+class MoEMLP(nn.Module):
+    """One block's MLP as a DeepSpeed-MoE layer. The last training forward's load-balancing loss,
+    routes per expert and dropped routes are kept for the metrics line."""
+
+    def __init__(self, config: LlamaConfig, layer_index: int):
+        # imported here: deepspeed's import announces its accelerator on stdout, which the
+        # estimate script (it counts this model's parameters) keeps for its own output
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        moe = config.moe
+        ep_size = moe["expert_parallel_size"]
+        self.moe = MoE(
+            hidden_size=config.hidden_size,
+            expert=LlamaMLP(config),
+            num_experts=moe["experts"],
+            ep_size=ep_size,
+            k=moe["top_k"],
+            capacity_factor=moe["capacity_factor"],
+            eval_capacity_factor=moe["capacity_factor"],
+            min_capacity=moe["min_capacity"],
+            drop_tokens=moe["drop_tokens"],
+            # Deterministic routing: no random token selection when dropping, no sampled second
+            # expert (DeepSpeed's default draws it, which changed a first step by 7e-4).
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
+        self._init_weights(config, layer_index, ep_size)
+        self.aux_loss = self.routes = self.dropped = None
+        self.moe.deepspeed_moe.gate.register_forward_hook(self._count_dropped)
+
+    @torch.no_grad()
+    def _init_weights(self, config: LlamaConfig, layer_index: int, ep_size: int) -> None:
+        """The router from the global generator (every rank draws the same); each expert from its
+        own generator, seeded by its global index: DeepSpeed's expert-parallel groups are
+        consecutive ranks, so this rank holds experts ep_rank x local ... (ep_rank + 1) x local - 1."""
+        std = config.initializer_range
+        self.moe.deepspeed_moe.gate.wg.weight.normal_(0.0, std)
+        experts = self.moe.deepspeed_moe.experts.deepspeed_experts
+        ep_rank = int(os.environ.get("RANK", "0")) % ep_size
+        for local, expert in enumerate(experts):
+            index = ep_rank * len(experts) + local
+            seed = (torch.initial_seed() * 1_000_003 + layer_index * 1_009 + index) % 2**63
+            generator = torch.Generator().manual_seed(seed)
+            for param in expert.parameters():
+                if not param.is_meta:  # estimate.py's shapes-only model has nothing to draw
+                    param.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
+
+    def _count_dropped(self, gate, inputs, output) -> None:
+        # MOELayer asks its gate for sparse routes: (l_aux, capacity, experts, indices, ...); a
+        # route that did not fit its expert's capacity has index -1.
+        if self.training:
+            self.dropped = (output[3] < 0).sum()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out, aux_loss, routes = self.moe(hidden)
+        if self.training:
+            self.aux_loss, self.routes = aux_loss, routes
+        return out
+
+
+class MixtralStyleForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM with MoEMLP in every `every`-th block; its loss adds the load-balancing term."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config)
+        for index, layer in enumerate(self.model.layers):
+            if is_moe_block(index, config.moe["every"]):
+                layer.mlp = MoEMLP(config, index)
+        self.aux_loss_coef = config.moe["aux_loss_coef"]
+        self.last_aux_loss = None
+
+    def moe_layers(self) -> list[MoEMLP]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEMLP)]
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        if self.training and output.loss is not None:
+            aux = self.aux_loss_coef * torch.stack([mlp.aux_loss for mlp in self.moe_layers()]).sum()
+            output.loss = output.loss + aux.to(output.loss.dtype)
+            self.last_aux_loss = aux.detach()
+        return output
+
+
+MODEL_CLASS = MixtralStyleForCausalLM
+
+
+def moe_record(model: nn.Module) -> dict:
+    """The metrics-line figures of the last training forward, over every rank (a collective: every
+    rank calls it): the load-balancing term added to the loss, routes per expert summed over the
+    MoE layers, the busiest expert's load over the mean (1 = balanced), and with token dropping the
+    fraction of routes dropped. {} for a dense model."""
+    if not isinstance(model, MixtralStyleForCausalLM) or model.last_aux_loss is None:
+        return {}
+    layers = model.moe_layers()
+    routes = torch.stack([mlp.routes for mlp in layers]).sum(0).double()
+    dropped = torch.stack([mlp.dropped for mlp in layers]).sum().double()
+    device = model.last_aux_loss.device  # the backend's device (NCCL reduces CUDA tensors only)
+    packed = torch.cat([model.last_aux_loss.double().reshape(1), dropped.reshape(1).to(device), routes.to(device)])
+    world = 1
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        dist.all_reduce(packed)
+    aux, dropped, routes = packed[0] / world, packed[1], packed[2:]
+    record = {
+        "aux_loss": aux.item(),
+        "expert_tokens": [int(n) for n in routes.tolist()],
+        "expert_load_max": (routes.max() / routes.mean()).item(),
+    }
+    if layers[0].moe.deepspeed_moe.gate.drop_tokens:
+        record["dropped_frac"] = (dropped / routes.sum()).item()
+    return record
+
+
+def to_transformers_mixtral(model: MixtralStyleForCausalLM):
+    """The same function as transformers' MixtralForCausalLM (what scripts/export_hf.py writes):
+    Mixtral has an MoE MLP in every block and renormalises the top-k weights for any k, so
+    model.moe.every must be 1 and model.moe.top_k >= 2 (DeepSpeed's top-1 gate weights the expert
+    by its probability, Mixtral's by 1). Each expert's gate and up projections become one row of
+    `gate_up_proj`, its down projection one of `down_proj`; the router's matrix is `gate.weight`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lmrepo.errors import ConfigError
+
+    config, moe = model.config, model.config.moe
+    if moe["every"] != 1 or moe["top_k"] < 2:
+        raise ConfigError(
+            f"transformers' Mixtral has an MoE MLP in every block and renormalises its top-k weights: this run's "
+            f"model.moe.every={moe['every']}, model.moe.top_k={moe['top_k']} has no Mixtral form (it needs every=1 "
+            "and top_k >= 2); scripts/evaluate.py still evaluates it (in memory)"
+        )
+    mixtral = MixtralConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=config.rope_parameters,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_dropout=config.attention_dropout,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        num_local_experts=moe["experts"],
+        num_experts_per_tok=moe["top_k"],
+        router_aux_loss_coef=moe["aux_loss_coef"],
+    )
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if ".mlp.moe." not in name:
+            state[name] = tensor
+    for index, layer in enumerate(model.model.layers):
+        prefix, moe_layer = f"model.layers.{index}.mlp.", layer.mlp.moe.deepspeed_moe
+        experts = moe_layer.experts.deepspeed_experts
+        state[prefix + "gate.weight"] = moe_layer.gate.wg.weight
+        state[prefix + "experts.gate_up_proj"] = torch.stack(
+            [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]
+        )
+        state[prefix + "experts.down_proj"] = torch.stack([e.down_proj.weight for e in experts])
+    out = MixtralForCausalLM(mixtral)
+    missing, unexpected = out.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConfigError(f"the Mixtral form does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    out.tie_weights()
+    return out.eval()
