@@ -15,17 +15,12 @@ layout beside it. On a GPU the `mem_gb` column (max allocated, rank 0) is the fi
 """
 
 import argparse
-import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, Report, add_save_flag  # benchmarks/common.py
-from lmrepo.launch import launch_command
+from common import Report, add_save_flag, two_rank_arm_in_child  # benchmarks/common.py
 
 ARMS = {
     "DeepSpeed ZeRO-2": ["zero=stage2"],
@@ -40,39 +35,6 @@ MODELS = {
 QUICK_MODELS = {"2 x 64 (3.3M)": ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=32"]}
 
 
-def run_arm(overrides: list[str], steps: int, workdir: Path) -> dict:
-    run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    cmd = [
-        *launch_command(2, "torchrun"),
-        str(REPO / "train.py"),
-        *overrides,
-        f"trainer.max_steps={steps}",
-        "trainer.log_every=1",
-        "trainer.eval_every=0",
-        "trainer.eval_batches=1",
-        "schedule.warmup_steps=1",
-        "precision=fp32",
-        "logger=jsonl",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_fsdp2: {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps_logged = [m for m in lines if "tokens_per_s" in m]
-    # ru_maxrss of children is the largest child so far: a run that peaks lower than an earlier
-    # one would hide behind it, so every arm's first round runs in a fresh interpreter (main()).
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {
-        "step_times": [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(steps_logged, steps_logged[1:])],
-        "loss": steps_logged[-1]["loss"],
-        "mem_gb": steps_logged[-1]["mem_gb"],
-        "peak_rss_gb": peak_kb / 2**20 if peak_kb > before else None,
-    }
-
-
 def estimate_gib(model: list[str], arm: list[str]) -> float:
     """scripts/estimate.py's model-state memory per rank (fp32, 2 ranks) for the arm's layout."""
     from lmrepo.compose import load_config
@@ -85,24 +47,14 @@ def estimate_gib(model: list[str], arm: list[str]) -> float:
     return model_state_bytes(params, stage=config.zero.stage, dp=2, dtype="fp32").gpu / 2**30
 
 
-def one_arm(args) -> None:
-    """A child process of main(): one arm's run, so its peak resident memory is its own."""
-    result = run_arm(json.loads(args.one_arm), args.steps, Path(args.workdir))
-    print(json.dumps(result))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a 2 x 64 model, 1 round, 4 steps")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="step intervals left out of the median")
-    parser.add_argument("--one-arm", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     add_save_flag(parser)
     args = parser.parse_args()
-    if args.one_arm:
-        return one_arm(args)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 4, 1
     models = QUICK_MODELS if args.quick else MODELS
@@ -113,14 +65,8 @@ def main() -> None:
             for round_ in range(args.rounds):
                 for arm, arm_overrides in ARMS.items():
                     print(f"bench_fsdp2: {model}, {arm}, round {round_ + 1}", file=sys.stderr, flush=True)
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--one-arm", json.dumps([*model_overrides, *arm_overrides]),
-                         "--steps", str(args.steps), "--workdir", workdir],
-                        capture_output=True, text=True,
-                    )  # fmt: skip
-                    if out.returncode != 0:
-                        raise SystemExit(out.stderr[-3000:] or out.stdout[-3000:])
-                    results[model][arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                    overrides = [*model_overrides, *arm_overrides]
+                    results[model][arm].append(two_rank_arm_in_child(overrides, args.steps, Path(workdir)))
     figures = {}
     report.print(f"## FSDP2 against DeepSpeed ZeRO, 2 ranks, fp32, {args.rounds} round(s) of {args.steps} steps")
     report.print("")

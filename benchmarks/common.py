@@ -687,3 +687,74 @@ def model_state_memory(spec: dict) -> list[dict]:
             del engine
             gc.collect()
     return rows
+
+
+def two_rank_arm(overrides: list[str], steps: int, workdir: Path) -> dict:
+    """One real `torchrun --nproc-per-node 2 train.py` run (fp32, logger=jsonl) of `overrides`:
+    its step times (each logged step's tokens over its tokens/s), last loss, mem_gb and the peak
+    resident set of its largest rank. Run it in a fresh interpreter (`two_rank_arm_in_child`):
+    getrusage's ru_maxrss of children is the largest child so far, so a run that peaks lower
+    than an earlier one of the same process would hide behind it."""
+    import resource
+    import tempfile
+
+    from lmrepo.launch import launch_command
+
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    cmd = [
+        *launch_command(2, "torchrun"),
+        str(REPO / "train.py"),
+        *overrides,
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=1",
+        "schedule.warmup_steps=1",
+        "precision=fp32",
+        "logger=jsonl",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
+    logged = [m for m in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in m]
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {
+        "step_times": [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(logged, logged[1:])],
+        "loss": logged[-1]["loss"],
+        "mem_gb": logged[-1]["mem_gb"],
+        "last": logged[-1],
+        "peak_rss_gb": peak_kb / 2**20 if peak_kb > before else None,
+    }
+
+
+def two_rank_arm_in_child(overrides: list[str], steps: int, workdir: Path) -> dict:
+    """`two_rank_arm` in a fresh interpreter (this file run as a script), so its peak memory is its own."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--one-arm",
+            json.dumps(overrides),
+            "--steps",
+            str(steps),
+            "--workdir",
+            str(workdir),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-3000:] or out.stdout[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description="one arm of a two-rank benchmark (two_rank_arm_in_child)")
+    _parser.add_argument("--one-arm", required=True)
+    _parser.add_argument("--steps", type=int, required=True)
+    _parser.add_argument("--workdir", required=True)
+    _args = _parser.parse_args()
+    print(json.dumps(two_rank_arm(json.loads(_args.one_arm), _args.steps, Path(_args.workdir))))

@@ -126,6 +126,30 @@ def model_state_bytes(
     return ModelStates(**held)
 
 
+def expert_parameters(model_cfg) -> int:
+    """A mixture of experts' expert weights (every expert of every MoE block: SwiGLU's three
+    matrices each); 0 for a dense model."""
+    if model_cfg.family != "mixtral":
+        return 0
+    from lmrepo.models.mixtral import is_moe_block
+
+    shape, moe = model_cfg.shape(), model_cfg.moe
+    blocks = sum(is_moe_block(i, moe.every) for i in range(shape["n_layer"]))
+    return blocks * moe.experts * 3 * shape["n_embd"] * model_cfg.n_inner
+
+
+def moe_state_bytes(
+    params: int, experts: int, stage: int, dp: int, ep: int, offload: str = "none", dtype: str = "bf16"
+) -> ModelStates:
+    """Per-rank model states of a DeepSpeed-MoE model (ZeRO 0-2) with `experts` of its `params` in
+    expert weights: each rank holds 1/ep of the experts, and ZeRO partitions their states over the
+    dp/ep ranks that hold the same experts (DeepSpeed's expert-data-parallel group), the other
+    parameters' over all dp ranks."""
+    dense = model_state_bytes(params - experts, stage, dp, offload, dtype=dtype)
+    expert = model_state_bytes(experts // ep, stage, dp // ep, offload, dtype=dtype)
+    return ModelStates(dense.gpu + expert.gpu, dense.cpu + expert.cpu, dense.nvme + expert.nvme)
+
+
 def fsdp2_state_bytes(
     params: int, dp: int, dtype: str, offload: str = "none", keep_gathered: bool = False
 ) -> ModelStates:

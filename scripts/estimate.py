@@ -195,6 +195,37 @@ def print_fsdp2_states(job: Job, params: int) -> None:
     )
 
 
+def print_moe_states(job: Job, params: int) -> None:
+    """model.family=mixtral: the experts split over expert_parallel.size ranks, ZeRO 0-2."""
+    cfg, dtype = job.cfg, job.cfg.precision.dtype
+    experts, ep = estimate.expert_parameters(cfg.model), cfg.expert_parallel.size
+    print(
+        f"\nModel states per rank with the experts split (DeepSpeed-MoE; {experts:,} expert parameters of "
+        f"{params:,}; {dtype}; {job.dp} data-parallel ranks), GiB"
+    )
+    print(f"    {'zero':<7}{'offload':<9}" + "".join(f"{f'ep={size}':>9}" for size in moe_sizes(job.dp, cfg)))
+    for stage in range(3):
+        for off in ("none", "cpu"):
+            if off != "none" and stage == 0:
+                continue
+            this = (stage, off) == (cfg.zero.stage, cfg.offload.target)
+            cells = "".join(
+                f"{estimate.moe_state_bytes(params, experts, stage, job.dp, size, off, dtype).gpu / GIB:>9.2f}"
+                for size in moe_sizes(job.dp, cfg)
+            )
+            print(f"  {'* ' if this else '  '}{'stage' + str(stage):<7}{off:<9}{cells}")
+    print(
+        f"  * = this job (expert_parallel.size={ep}). Each rank holds 1/ep of the experts; ZeRO partitions their\n"
+        "  states over the dp/ep ranks that hold the same experts, the rest over all ranks. ZeRO-3 does not run\n"
+        "  DeepSpeed-MoE. Memory on the accelerator (GPU column of the table above); offloaded states go to the host."
+    )
+
+
+def moe_sizes(dp: int, cfg) -> list[int]:
+    """The expert-parallel sizes this job could use: those dividing the ranks and the experts."""
+    return [size for size in range(1, dp + 1) if dp % size == 0 and cfg.model.moe.experts % size == 0]
+
+
 def print_gradient_layout(job: Job, params: int, group_sizes: list[list[int]]) -> None:
     """ZeRO-1/2 as DeepSpeed holds them: gradients by whole tensor, the worst rank against the division."""
     if job.dp == 1:
@@ -297,14 +328,17 @@ def main(argv: list[str]) -> None:
         f"  12lh^2(1 + 13/12h + (V+s)/12lh) (Narayanan)    {formula:>16,.0f}   ({formula - params:+,.0f}; l={l} "
         f"h={h} V={job.shape['vocab_size']} s={job.shape['n_positions']})"
     )
-    if cfg.model.family == "llama":
+    if cfg.model.family in ("llama", "mixtral"):
         print(
             "  (that formula and the FLOPs below are GPT-2's; Llama's SwiGLU MLP (3 n_embd x n_inner "
             "matrices), untied output embedding and rotary positions do not follow them: trust the exact count)"
         )
     print(f"  largest module (ZeRO-3 gathers it whole)       {largest:>16,}")
     print_model_states(job, params, largest)
-    print_fsdp2_states(job, params)
+    if cfg.model.family == "mixtral":
+        print_moe_states(job, params)
+    else:
+        print_fsdp2_states(job, params)
     print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))
     print_activations(job, checkpointed)
     print_compute(job, params, checkpointed, peak)

@@ -123,6 +123,26 @@ def test_model_states_zero_paper_figure_1():
     assert estimate.model_state_bytes(psi, 3, 64).gpu == pytest.approx(16 * psi / 64)
 
 
+def test_moe_states_split_the_experts_over_the_expert_parallel_ranks():
+    """DeepSpeed-MoE: expert_parallel.size=1 is the dense arithmetic of the whole model; each rank
+    holds 1/ep of the experts, and ZeRO partitions their states over the dp/ep ranks holding them."""
+    from lmrepo.compose import load_config
+
+    model = load_config(["model=mixtral-1b"]).model
+    experts, params = estimate.expert_parameters(model), estimate.count_parameters(estimate.meta_model(model))
+    assert experts == 16 * 8 * 3 * 1024 * model.n_inner and 0 < experts < params
+    assert estimate.expert_parameters(load_config([]).model) == 0
+    for stage in range(3):
+        whole = estimate.model_state_bytes(params, stage, 8).gpu
+        assert estimate.moe_state_bytes(params, experts, stage, 8, 1).gpu == pytest.approx(whole)
+    # ZeRO-0: the dense part whole (16 bytes), the experts' 16 bytes over ep ranks
+    zero0 = estimate.moe_state_bytes(params, experts, 0, 8, 4).gpu
+    assert zero0 == pytest.approx(16 * (params - experts + experts / 4))
+    # ZeRO-2 with ep = dp: every expert on one rank, its states unpartitioned
+    dense = estimate.model_state_bytes(params - experts, 2, 8).gpu
+    assert estimate.moe_state_bytes(params, experts, 2, 8, 8).gpu == pytest.approx(dense + 16 * experts / 8)
+
+
 def test_model_states_offload_placement():
     P, N = 1_000_000, 8
     assert estimate.model_state_bytes(P, 1, N, "cpu") == estimate.ModelStates(gpu=4 * P, cpu=16 * P / N, nvme=0)
@@ -302,12 +322,14 @@ def load_script():
         ["model=gpt2-xl", "zero=stage3", "offload=cpu", "trainer.micro_batch_size=4", "world=64"],
         ["model=bert-tiny", "checkpointing=every_n", "precision=fp32"],
         ["zero=stage3", "offload=nvme", "gpu=H100", "mfu=0.5", "tokens=1e9"],
+        ["model=mixtral-1b", "zero=stage2", "world=8", "expert_parallel.size=4"],
     ],
 )
 def test_script_in_process(args, capsys):
     load_script().main(args)
     out, err = capsys.readouterr()
     assert "Parameters" in out and "Model states" in out and "days" in out and err == ""
+    assert ("experts split" in out) == ("model=mixtral-1b" in args)
 
 
 @pytest.mark.parametrize(
