@@ -103,6 +103,7 @@ def launch_command(ranks: int, via: str = "deepspeed") -> list[str]:
         str(ranks),
         "--master_port",
         str(free_port()),
+        "--log_level=warning",  # not its INFO lines (accelerator, CUDA_VISIBLE_DEVICES, each rank's command)
     ]
 
 

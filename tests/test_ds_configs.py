@@ -137,6 +137,7 @@ def test_a_batch_that_fits_two_ranks_runs_on_two(tmp_path):
     name = "megatron_deepspeed_compression_ds_config_gpt_ca60eb9_2ranks.json"
     run_dir = tmp_path / "run"
     proc = run_train([*SHORT, f"deepspeed_config={CONFIGS / name}"], run_dir, ranks=2, via="deepspeed")  # its exit code
+    assert "[INFO]" not in proc.stdout + proc.stderr  # lmrepo starts the launcher at --log_level=warning
     if FP16:
         ds = assert_trained(proc, run_dir)
         assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (

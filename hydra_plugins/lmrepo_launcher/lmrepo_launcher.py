@@ -176,7 +176,8 @@ class LmrepoLauncher(Launcher):
         script = [os.path.abspath(sys.argv[0]), *config_flags(sys.argv[1:])]
         if job.ranks <= 1:
             return [sys.executable, *script, *overrides]
-        launcher = [str(Path(sys.executable).with_name("deepspeed")), "--master_port", str(free_port())]
+        deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+        launcher = [deepspeed, "--master_port", str(free_port()), "--log_level=warning"]  # not its INFO lines
         if job.devices:
             launcher += ["--include", "localhost:" + ",".join(map(str, job.devices))]
         else:
