@@ -78,7 +78,7 @@ def main() -> None:
             times = [t for run in runs for t in run["step_times"][args.warmup :]]
             medians[arm] = statistics.median(times)
         for arm, runs in arms.items():
-            peak = max((run["peak_rss_gb"] or 0) for run in runs)
+            peak = max((run["peak_rss_gib"] or 0) for run in runs)
             states = estimate_gib(models[model], ARMS[arm])
             ratio = medians[arm] / medians["DeepSpeed ZeRO-3"]
             report.print(

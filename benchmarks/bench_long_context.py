@@ -18,17 +18,12 @@ block, the untiled N=1 arm's memory with the block times the vocabulary); --bloc
 """
 
 import argparse
-import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, Report, add_save_flag  # benchmarks/common.py
-from lmrepo.launch import launch_command
+from common import Report, add_save_flag, two_rank_arm_in_child  # benchmarks/common.py
 
 MODEL = [
     "model=llama-tiny",
@@ -49,68 +44,24 @@ ARMS = {
 BLOCKS, QUICK_BLOCKS = (1024, 4096), (256, 512)
 
 
-def run_arm(overrides: list[str], steps: int, workdir: Path) -> dict:
-    run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    cmd = [
-        *launch_command(2, "torchrun"),
-        str(REPO / "train.py"),
-        *overrides,
-        f"trainer.max_steps={steps}",
-        "trainer.log_every=1",
-        "trainer.eval_every=0",
-        "trainer.eval_batches=1",
-        "schedule.warmup_steps=1",
-        "precision=fp32",
-        "logger=jsonl",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_long_context: {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [m for m in lines if "tokens_per_s" in m]
-    return {
-        "step_times": [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(logged, logged[1:])],
-        "tokens_per_step": logged[1]["tokens"] - logged[0]["tokens"],
-        "loss": logged[-1]["loss"],
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
-    }
-
-
-def one_arm(args) -> None:
-    """A child process of main(): one arm's run, so its peak resident memory is its own."""
-    print(json.dumps(run_arm(json.loads(args.one_arm), args.steps, Path(args.workdir))))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="blocks of 256 and 512 tokens, 2 steps")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--blocks", type=int, nargs="+", default=list(BLOCKS), help="block sizes in tokens")
     parser.add_argument("--budget-gib", type=float, default=2.0, help="the memory budget per rank of the last table")
-    parser.add_argument("--one-arm", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     add_save_flag(parser)
     args = parser.parse_args()
-    if args.one_arm:
-        return one_arm(args)
     blocks = QUICK_BLOCKS if args.quick else tuple(args.blocks)
     steps = 2 if args.quick else args.steps
     report = Report(__file__)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench_long_context-") as workdir:
         for block in blocks:  # the arms alternate within each block size: a shared machine's load falls on all
-            for arm, overrides in ARMS.items():
+            for arm, arm_overrides in ARMS.items():
                 print(f"bench_long_context: block {block}, {arm}", file=sys.stderr, flush=True)
-                out = subprocess.run(
-                    [sys.executable, __file__, "--steps", str(steps), "--workdir", workdir,
-                     "--one-arm", json.dumps([*MODEL, f"data.block_size={block}", *overrides])],
-                    capture_output=True, text=True,
-                )  # fmt: skip
-                if out.returncode != 0:
-                    raise SystemExit(out.stderr[-3000:] or out.stdout[-3000:])
-                results[f"{block} / {arm}"] = json.loads(out.stdout.strip().splitlines()[-1])
+                overrides = [*MODEL, f"data.block_size={block}", *arm_overrides]
+                results[f"{block} / {arm}"] = two_rank_arm_in_child(overrides, steps, Path(workdir))
     report.print("## Peak memory per rank and step time against the block size, 2 ranks, fp32")
     report.print("")
     report.print("| block | arm | peak RSS per rank | / N=1 | step time | tokens/s | loss |")

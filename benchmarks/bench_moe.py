@@ -73,7 +73,7 @@ def main() -> None:
     figures = {}
     for arm, rs in runs.items():
         total, active = parameters(ARMS[arm])
-        peak = max((run["peak_rss_gb"] or 0) for run in rs)
+        peak = max((run["peak_rss_gib"] or 0) for run in rs)
         ratio = medians[arm] / medians[dense]
         report.print(
             f"| {arm} | {total / 1e6:.1f}M / {active / 1e6:.1f}M | {medians[arm]:.3f} s | {ratio:.2f} | "

@@ -30,14 +30,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from pathlib import Path
 
-from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
+from common import (  # benchmarks/common.py, first on sys.path: puts the repository on it
+    Report,
+    add_save_flag,
+    rows_from_two_ranks,
+)
 
 SCHEDULES = ["1f1b", "gpipe", "1f1b_torch", "interleaved"]
 MICRO_BATCHES, QUICK_MICRO_BATCHES = [2, 4, 8], [2, 4]
@@ -323,17 +325,8 @@ def main() -> None:
     if "RANK" in os.environ:
         run_worker(args, overrides)
         return
-    from lmrepo.launch import launch_command
-
     saved = Report(__file__)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory(prefix="lmrepo-bench-pipeline-") as tmp:
-        rows = Path(tmp) / "rows.json"
-        cmd = [*launch_command(2), str(Path(__file__).resolve()), *sys.argv[1:], "--rows", str(rows)]
-        code = subprocess.run(cmd, cwd=REPO, env=env).returncode
-        if code:
-            raise SystemExit(code)
-        result = json.loads(rows.read_text())
+    result = rows_from_two_ranks(__file__, sys.argv[1:])
     saved.print(result.pop("text"))
     saved.save(args.save, result)
 

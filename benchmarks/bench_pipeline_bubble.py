@@ -29,12 +29,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, RESULTS, Report, add_save_flag  # benchmarks/common.py: puts the repository on sys.path
+from common import (  # benchmarks/common.py: puts the repository on sys.path
+    RESULTS,
+    Report,
+    add_save_flag,
+    rows_from_two_ranks,
+)
 
 SCHEDULES = ["1f1b", "gpipe", "1f1b_torch", "interleaved", "interleaved_zb", "zbv", "dualpipev"]
 MODEL = [
@@ -266,17 +270,8 @@ def main() -> None:
     if "RANK" in os.environ:
         run_worker(args, overrides)
         return
-    from lmrepo.launch import launch_command
-
     saved = Report(__file__)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory(prefix="lmrepo-bench-bubble-") as tmp:
-        rows = Path(tmp) / "rows.json"
-        cmd = [*launch_command(2), str(Path(__file__).resolve()), *sys.argv[1:], "--rows", str(rows)]
-        code = subprocess.run(cmd, cwd=REPO, env=env).returncode
-        if code:
-            raise SystemExit(code)
-        result = json.loads(rows.read_text())
+    result = rows_from_two_ranks(__file__, sys.argv[1:])
     saved.print(result.pop("text"))
     p = saved.provenance
     picture = (

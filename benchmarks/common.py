@@ -725,8 +725,8 @@ def two_rank_arm(overrides: list[str], steps: int, workdir: Path) -> dict:
         "step_times": [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(logged, logged[1:])],
         "loss": logged[-1]["loss"],
         "mem_gb": logged[-1]["mem_gb"],
-        "last": logged[-1],
-        "peak_rss_gb": peak_kb / 2**20 if peak_kb > before else None,
+        "tokens_per_step": logged[-1]["tokens"] / logged[-1]["step"],
+        "peak_rss_gib": peak_kb / 2**20 if peak_kb > before else None,
     }
 
 
@@ -749,6 +749,23 @@ def two_rank_arm_in_child(overrides: list[str], steps: int, workdir: Path) -> di
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:] or out.stdout[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rows_from_two_ranks(script: str, argv: list[str]) -> dict:
+    """Runs `script` on 2 ranks (torchrun, one thread each) with `argv` and `--rows FILE`, and
+    returns what its rank 0 wrote there (the benchmarks whose ranks measure themselves)."""
+    import tempfile
+
+    from lmrepo.launch import launch_command
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory(prefix=f"lmrepo-{Path(script).stem}-") as tmp:
+        rows = Path(tmp) / "rows.json"
+        cmd = [*launch_command(2), str(Path(script).resolve()), *argv, "--rows", str(rows)]
+        code = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        if code:
+            raise SystemExit(code)
+        return json.loads(rows.read_text())
 
 
 if __name__ == "__main__":
