@@ -127,6 +127,21 @@ def throughput_of(config: TrainConfig, ds_config: dict, device) -> Throughput:
     )
 
 
+def engine_data(config: TrainConfig, ds_config: dict, engine, sources, tokenizer) -> LMData:
+    """The job's batches for this rank's data-parallel position in `engine`."""
+    global_batch, micro_batch, _ = batch_of(ds_config)
+    return LMData(
+        sources,
+        config.data.block_size,
+        config.model.family,
+        tokenizer,
+        Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size),
+        config.trainer.seed,
+        config.trainer.eval_batches,
+        config.data.cross_document_attention,
+    )
+
+
 def train(cfg: DictConfig, job: Plan) -> dict:
     """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan)."""
     # status.json's wall_s covers the whole command: the interpreter's start, imports and planning too
@@ -180,18 +195,7 @@ def train(cfg: DictConfig, job: Plan) -> dict:
     sinks = None
     try:
         engine = build_engine(config, ds_config)
-        global_batch, micro_batch, _ = batch_of(ds_config)
-        layout = Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size)
-        data = LMData(
-            data_sources,
-            config.data.block_size,
-            config.model.family,
-            tokenizer,
-            layout,
-            config.trainer.seed,
-            config.trainer.eval_batches,
-            config.data.cross_document_attention,
-        )
+        data = engine_data(config, ds_config, engine, data_sources, tokenizer)
         downstream = Downstream(config.eval, tasks, engine, tokenizer, run_dir) if tasks else None
         loading = time.perf_counter()
         state = checkpoint.load(engine, resume) if resume else TrainState()

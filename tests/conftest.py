@@ -237,6 +237,19 @@ def logged_steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int) -> str:
+    """A 2-rank TINY run killed (SIGKILL to the launcher's process group, as an OOM killer or a lost
+    node ends a job) once `latest` exists and `logged` steps are in its metrics. Returns the
+    checkpoint `latest` names then."""
+    import signal
+
+    proc = popen_train(overrides, run_dir, ranks=2)
+    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= logged, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    return (run_dir / "checkpoints" / "latest").read_text()
+
+
 def stop_with_signal(signum: int, overrides: list[str], run_dir: Path) -> tuple[int, str]:
     """A 2-rank TINY run signalled after 3 logged steps, as Slurm's pre-emption and a terminal's
     Ctrl-C do (the signal reaches every process of the job): it must save, say so in status.json

@@ -13,13 +13,11 @@ import torch
 from transformers import set_seed
 
 from lmrepo.compose import compose_config
-from lmrepo.data.loader import Layout, LMData
-from lmrepo.ds_config import batch_of
 from lmrepo.engines import build_engine
 from lmrepo.launch import init_distributed, prepare_argv, world_size
 from lmrepo.models import build_model
 from lmrepo.plan import plan
-from lmrepo.run import prepare_job
+from lmrepo.run import engine_data, prepare_job
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
@@ -95,16 +93,7 @@ def main(out: Path, overrides: list[str]) -> None:
     init_distributed()
     set_seed(cfg.trainer.seed)
     engine = build_engine(cfg, ds)
-    global_batch, micro_batch, _ = batch_of(ds)
-    data = LMData(
-        sources,
-        cfg.data.block_size,
-        cfg.model.family,
-        tokenizer,
-        Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size),
-        cfg.trainer.seed,
-        cfg.trainer.eval_batches,
-    )
+    data = engine_data(cfg, ds, engine, sources, tokenizer)
     steps = [data.train_step(step) for step in range(cfg.trainer.max_steps)]
     ours = [engine.train_step(batches).item() for batches in steps]
     theirs, weights = reference_losses(cfg, steps)

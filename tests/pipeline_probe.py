@@ -11,14 +11,12 @@ import torch.distributed as dist
 from transformers import set_seed
 
 from lmrepo.compose import compose_config
-from lmrepo.data.loader import Layout, LMData
-from lmrepo.ds_config import batch_of
 from lmrepo.engines import build_engine
 from lmrepo.engines.base import pipeline_inputs
 from lmrepo.launch import init_distributed, prepare_argv, world_size
 from lmrepo.models import build_model
 from lmrepo.plan import plan
-from lmrepo.run import prepare_job
+from lmrepo.run import engine_data, prepare_job
 
 
 def main(out: Path, overrides: list[str]) -> None:
@@ -28,16 +26,7 @@ def main(out: Path, overrides: list[str]) -> None:
     init_distributed()
     set_seed(cfg.trainer.seed)
     lmrepo_engine = build_engine(cfg, ds)
-    global_batch, micro_batch, _ = batch_of(ds)
-    data = LMData(
-        sources,
-        cfg.data.block_size,
-        cfg.model.family,
-        tokenizer,
-        Layout(global_batch, micro_batch, lmrepo_engine.dp_rank, lmrepo_engine.dp_size),
-        cfg.trainer.seed,
-        cfg.trainer.eval_batches,
-    )
+    data = engine_data(cfg, ds, lmrepo_engine, sources, tokenizer)
     batches = data.train_step(0)
 
     engine = lmrepo_engine.ds  # DeepSpeed's PipelineEngine

@@ -3,7 +3,6 @@ kill -9 during a save keeps a loadable `latest`, SIGTERM saves and stops, a diff
 data-parallel size resumes through the universal format, export to Hugging Face."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -19,12 +18,10 @@ from conftest import (
     REPO,
     TINY,
     assert_ok,
-    logged_steps,
-    popen_train,
+    kill_9_after_a_save,
     read_metrics,
     run_train,
     stop_with_signal,
-    wait_for,
 )
 
 pytestmark = pytest.mark.distributed
@@ -117,13 +114,8 @@ def test_a_checkpoint_resumes_with_the_adam_that_wrote_it(tmp_path):
 def test_kill_9_during_saves_keeps_latest_loadable(tmp_path):
     run_dir = tmp_path / "run"
     # A checkpoint every step: most of the run's time is spent saving, so the kill lands in one.
-    proc = popen_train(
-        ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.save_every=1"], run_dir, ranks=2
-    )
-    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 4, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    latest = (run_dir / "checkpoints" / "latest").read_text()
+    overrides = ["zero=stage2", "precision=fp32", "trainer.max_steps=400", "trainer.save_every=1"]
+    latest = kill_9_after_a_save(overrides, run_dir, logged=4)
     files = sorted(p.name for p in (run_dir / "checkpoints" / latest).iterdir())
     assert {"mp_rank_00_model_states.pt", "rng_rank00000.pt", "rng_rank00001.pt"} <= set(files)
     assert sum("zero_pp_rank" in f for f in files) == 2

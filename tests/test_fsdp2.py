@@ -16,7 +16,6 @@ count), which is what the norm is checked for."""
 import json
 import os
 import pickle
-import signal
 import subprocess
 
 import pytest
@@ -27,12 +26,10 @@ from conftest import (
     REPO,
     TINY,
     assert_ok,
+    kill_9_after_a_save,
     launcher,
-    logged_steps,
-    popen_train,
     read_metrics,
     run_train,
-    wait_for,
 )
 from lmrepo.compose import load_config
 from lmrepo.errors import ConfigError
@@ -98,12 +95,8 @@ def test_fsdp2_resume_after_kill_9_is_bit_identical(tmp_path):
     checkpoint, and resuming from it gives the killed run's own losses for the steps it had logged."""
     run_dir = tmp_path / "run"
     overrides = ["engine=fsdp2", "zero=stage2", "trainer.max_steps=400", "trainer.save_every=3", "schedule=constant"]
-    proc = popen_train(overrides, run_dir, ranks=2)
-    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 8, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8).split("_")[1])
     killed = {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
-    latest = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
     assert max(killed) > latest, (killed, latest)
     until = max(killed)
     resumed = run_train([*TINY, *overrides, f"trainer.max_steps={until}", "run.resume=auto"], run_dir, ranks=2)

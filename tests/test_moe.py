@@ -3,8 +3,6 @@ aux_loss and expert load in metrics.jsonl, exact resume after kill -9, the exper
 layout a checkpoint fixes, export to transformers' Mixtral, evaluate.py and generate.py on it."""
 
 import json
-import os
-import signal
 import subprocess
 
 import pytest
@@ -16,11 +14,9 @@ from conftest import (
     TINY,
     assert_ok,
     compose_config,
-    logged_steps,
-    popen_train,
+    kill_9_after_a_save,
     read_metrics,
     run_train,
-    wait_for,
 )
 
 pytestmark = pytest.mark.distributed
@@ -54,11 +50,7 @@ def test_expert_parallel_2_equals_1_with_aux_loss_and_expert_load(launch2):
 def test_kill_9_then_resume_is_bit_identical_with_dropping(launch2, tmp_path):
     reference = launch2(*EP2, *DROPPING)
     run_dir = tmp_path / "killed"
-    proc = popen_train([*EP2, *DROPPING, "trainer.max_steps=400", "trainer.save_every=3"], run_dir, ranks=2)
-    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 5, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    latest = (run_dir / "checkpoints" / "latest").read_text()
+    latest = kill_9_after_a_save([*EP2, *DROPPING, "trainer.max_steps=400", "trainer.save_every=3"], run_dir, logged=5)
     files = {p.name for p in (run_dir / "checkpoints" / latest).iterdir()}
     # DeepSpeed-MoE writes one file per (MoE block, expert), whichever rank held it
     assert {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(4)} <= files

@@ -15,9 +15,6 @@ by up to 3.6e-4 relative over 6 steps with the losses still equal, the same figu
 pipeline=interleaved (a gap this feature found, not made; the double scaling moved it 4%).
 """
 
-import os
-import signal
-
 import pytest
 
 from conftest import (
@@ -25,12 +22,10 @@ from conftest import (
     TINY,
     assert_ok,
     compose_config,
-    logged_steps,
-    popen_train,
+    kill_9_after_a_save,
     read_metrics,
     run_train,
     validate,
-    wait_for,
 )
 from lmrepo.engines.torch_pipeline import placement
 from lmrepo.errors import ConfigError
@@ -133,12 +128,8 @@ def test_zbv_resume_after_kill_9_is_exact(tmp_path):
     killed run's own losses for the steps it had logged after that save."""
     run_dir = tmp_path / "run"
     overrides = [*GPT2, "pipeline=zbv", "trainer.max_steps=400", "trainer.save_every=3", "schedule=constant"]
-    proc = popen_train(overrides, run_dir, ranks=2)
-    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= 8, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8).split("_")[1])
     killed = {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
-    latest = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
     assert max(killed) > latest, (killed, latest)
     resumed = run_train([*TINY, *overrides, f"trainer.max_steps={max(killed)}", "run.resume=auto"], run_dir, ranks=2)
     assert_ok(resumed)

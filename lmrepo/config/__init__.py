@@ -365,26 +365,26 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
         shape = config.model.shape()
         for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
             require(count % tp == 0, f"tp.size={tp} does not divide the model's {count} {what}: change tp.size")
-        require(
-            dp_size % tp == 0,
-            f"tp.size={tp} does not divide the {dp_size} rank(s) (world = tp.size x "
-            "data-parallel ranks): change tp.size or the rank count",
-        )
+        _groups_divide(dp_size, "tp.size", tp, "rank(s) (world = tp.size x data-parallel ranks)")
         dp_size //= tp
     sp = config.sequence_parallel.size
-    require(
-        dp_size % sp == 0,
-        f"sequence_parallel.size={sp} does not divide the {dp_size} rank(s) (world = sequence_parallel.size x "
-        "data-parallel ranks): change sequence_parallel.size or the rank count",
+    _groups_divide(
+        dp_size, "sequence_parallel.size", sp, "rank(s) (world = sequence_parallel.size x data-parallel ranks)"
     )
     dp_size //= sp
     ep = config.expert_parallel.size
-    require(
-        dp_size % ep == 0,
-        f"expert_parallel.size={ep} does not divide the {dp_size} data-parallel rank(s) (each group of "
-        "expert_parallel.size ranks holds every expert once): change expert_parallel.size or the rank count",
+    _groups_divide(
+        dp_size,
+        "expert_parallel.size",
+        ep,
+        "data-parallel rank(s) (each group of expert_parallel.size ranks holds every expert once)",
     )
     return dp_size
+
+
+def _groups_divide(ranks: int, key: str, size: int, which: str) -> None:
+    """Groups of `size` ranks (tensor, sequence or expert parallel) must tile the `ranks`."""
+    require(ranks % size == 0, f"{key}={size} does not divide the {ranks} {which}: change {key} or the rank count")
 
 
 BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
