@@ -257,6 +257,9 @@ def build_ds_config(config: TrainConfig, dp_size: int) -> dict:
         # lmrepo logs its own metrics; DeepSpeed's periodic prints would interleave with them.
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer waits for the device at every step to time it (its figures go
+        # to its own prints, which lmrepo turns off): the host could queue the next step meanwhile.
+        "timers": {"throughput": {"enabled": False}},
     }
     if config.sequence_parallel.size > 1:
         ds["sequence_parallel_size"] = config.sequence_parallel.size

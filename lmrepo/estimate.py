@@ -31,8 +31,13 @@ def meta_model(model_cfg) -> torch.nn.Module:
 
 
 def active_block_params(model_cfg) -> float | None:
-    """A mixture of experts' block parameters one token passes through (its top_k experts, the
-    router, attention), for FLOPs and MFU; None for a dense model (the GPT form 12*l*h^2)."""
+    """The block parameters one token passes through (2 FLOPs each forward), for FLOPs and MFU:
+    a mixture of experts' top_k experts, router and attention; a Llama's matrices as built
+    (grouped-query attention's narrower key/value projections, SwiGLU's three MLP matrices),
+    counted on the meta model; None where GPT's 12*l*h^2 is exact (GPT-2, BERT)."""
+    if model_cfg.family == "llama":
+        blocks = meta_model(model_cfg).model.layers
+        return float(sum(p.numel() for p in blocks.parameters() if p.dim() >= 2))
     if model_cfg.family != "mixtral":
         return None
     shape, moe = model_cfg.shape(), model_cfg.moe

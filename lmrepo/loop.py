@@ -75,16 +75,37 @@ class StopRequest:
             previous(self.signum, None)
 
 
-def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+def _sum_over_ranks(values: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=group)
     return values
 
 
 def evaluate(engine: Engine, data) -> float:
-    """The held-out loss, averaged over every rank."""
-    mean = engine.eval_loss(data.eval_batches())
-    return (_sum_over_ranks(mean.cpu().reshape(1)) / dist.get_world_size()).item()
+    """The held-out loss, averaged over every rank (reduced where it was computed: NCCL reduces
+    device tensors only)."""
+    mean = engine.eval_loss(data.eval_batches()).float().reshape(1)
+    return (_sum_over_ranks(mean) / dist.get_world_size()).item()
+
+
+class StopFlags:
+    """Whether any rank was asked to stop, agreed on by all ranks at every step, without waiting for
+    the device: the flags are host tensors reduced over a gloo group (on CUDA a group of its own,
+    since NCCL reduces device tensors only, and reading one back would wait for the step's kernels)."""
+
+    def __init__(self, stop: "StopRequest | None"):
+        self.stop = stop
+        self.ranks = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = None
+        if self.ranks > 1 and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+
+    def any_rank(self) -> bool:
+        mine = self.stop is not None and self.stop.signal_name is not None
+        if self.ranks == 1:
+            return mine
+        flags = torch.tensor([float(mine)])
+        return _sum_over_ranks(flags, self.group).item() > 0
 
 
 def fit(
@@ -109,39 +130,60 @@ def fit(
     Returns (last record, the stop signal's name or None)."""
     bar = tqdm(total=trainer.max_steps, initial=state.step, disable=not is_rank0, dynamic_ncols=True, desc="train")
     # Throughput counts training steps only: evaluation and checkpoint time stay out of the window.
+    # The loss stays on the device between logging steps: reading it back (or anything else the step
+    # computed) makes the host wait for the device, and a host that waits cannot queue the next
+    # step's kernels meanwhile. It is read where it decides something: the logging, evaluation and
+    # checkpoint steps, the step after a save (whose loss vouches for the saved weights) and the last.
     window_seconds, window_steps, last, stopped = 0.0, 0, {}, None
+    unread: list[tuple[int, torch.Tensor]] = []  # (step, loss) not yet read back
+    stop_flags = StopFlags(stop)
     fit_start = time.perf_counter()
+    window_start = fit_start
     try:  # the bar ends its line whatever happens: an error line never lands on it
         while state.step < trainer.max_steps and not stopped:
             if beat is not None:
                 beat(state.step)
-            step_start = time.perf_counter()
             lr = engine.lr()  # the rate this step uses (the scheduler advances inside the step)
 
             loss = engine.train_step(data.train_step(state.consumed))
             state.step += 1
             state.consumed += data.layout.global_batch
             window_steps += 1
-            window_seconds += time.perf_counter() - step_start
+            unread.append((state.step, loss.detach()))
+            if stop_flags.any_rank():
+                stopped = stop.signal_name if stop is not None and stop.signal_name else "SIGTERM"
 
-            # one all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop
-            flags = torch.tensor([loss.item(), float(stop is not None and stop.signal_name is not None)])
-            flags = _sum_over_ranks(flags)
-            loss_value = flags[0].item() / dist.get_world_size()
-            if not torch.isfinite(flags[0]):
+            logging = state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped
+            saving = checkpoints is not None and (
+                trainer.save_every
+                and (state.step % trainer.save_every == 0 or state.step == trainer.max_steps)
+                or stopped
+            )
+            evaluating = bool(trainer.eval_every and state.step % trainer.eval_every == 0)
+            on_probation = checkpoints is not None and checkpoints.pending is not None
+            due = downstream is not None and downstream.due(state.step, trainer.max_steps)
+            if not (logging or saving or evaluating or on_probation or due or state.step == trainer.max_steps):
+                continue
+
+            # read back: the mean loss over ranks of each unread step (one all-reduce), all finite?
+            steps, losses = zip(*unread)
+            unread.clear()
+            means = _sum_over_ranks(torch.stack(losses).float()).cpu() / dist.get_world_size()
+            window_seconds += time.perf_counter() - window_start  # the device has finished the window's steps
+            bad = [(step, value) for step, value in zip(steps, means.tolist()) if not math.isfinite(value)]
+            if bad:
                 if checkpoints is not None:
                     checkpoints.abandon()  # the last save holds the weights that gave this loss
                 raise TrainingError(
-                    f"the loss became {loss_value} at step {state.step}: lower optimizer.lr or raise "
+                    f"the loss became {bad[0][1]} at step {bad[0][0]}: lower optimizer.lr or raise "
                     "schedule.warmup_steps (fp16: use precision=bf16); the last sound checkpoint is kept"
                 )
+            loss_value = means[-1].item()
             if checkpoints is not None:
                 checkpoints.confirm()
-            if flags[1] > 0:
-                stopped = stop.signal_name if stop is not None and stop.signal_name else "SIGTERM"
 
             # log: throughput over the window since the last log
-            if state.step % trainer.log_every == 0 or state.step in (1, trainer.max_steps) or stopped:
+            if logging:
                 last = {
                     "step": state.step,
                     "loss": loss_value,
@@ -206,7 +248,8 @@ def fit(
                 checkpoints.save(state)
                 if final and math.isfinite(last.get("eval_loss", 0.0)):
                     checkpoints.confirm()
-            bar.update(1)
+            bar.update(state.step - bar.n)
+            window_start = time.perf_counter()  # evaluation and checkpoints are not training time
     finally:
         bar.close()
     return last, stopped

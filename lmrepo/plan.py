@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from lmrepo.config import TrainConfig, layout_check, load
+from lmrepo.config import TrainConfig, compile_by_default, layout_check, load
 from lmrepo.device import Device, choose_precision, detect_device
 from lmrepo.ds_config import build_ds_config, prefer_torch_adam_on_cpu
 from lmrepo.preflight import check_deepspeed, check_tensor_parallel
@@ -35,6 +35,14 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     config.eval.check(config.model.family, config.pipeline.schedule, dp_size)
     ds_config, user_changed, user = build_ds_config(config, dp_size), [], None
     notes = [precision_line] if precision_line else []
+    if config.trainer.compile is None:
+        config.trainer.compile, compile_line = compile_by_default(config, device.type)
+        notes += [compile_line] if compile_line else []
+    if dp_size == 1 and config.zero.stage > 0 and config.offload.target == "none" and config.tp.mode == "none":
+        notes.append(
+            f"lmrepo: note: zero=stage{config.zero.stage} over 1 data-parallel rank partitions nothing: it saves no "
+            "memory and costs its bookkeeping (zero=stage0 trains the same model faster; offload=cpu saves memory)"
+        )
     if config.deepspeed_config:
         user = UserConfig(config.deepspeed_config)
         ds_config, user_changed = lay_over(ds_config, user, config, dp_size)

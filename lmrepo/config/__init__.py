@@ -23,6 +23,7 @@ from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunCo
 from lmrepo.config.parallel import (
     PIPELINE_FAMILIES,
     CheckpointingConfig,
+    CheckpointingImpl,
     EngineConfig,
     EngineName,
     ExpertParallelConfig,
@@ -176,6 +177,40 @@ def load(cfg: DictConfig) -> TrainConfig:
         "lower data.block_size or raise model.n_positions",
     )
     return config
+
+
+def compile_by_default(config: TrainConfig, device_type: str) -> tuple[bool, str | None]:
+    """trainer.compile=null: (whether to compile, the line that says so). On a GPU a step of a small
+    model is mostly kernel launches, and compiling fuses them (benchmarks/bench_gpu.py measures
+    it); compiled are the layouts whose compiled step lmrepo runs in its benchmarks: DeepSpeed ZeRO 0-2
+    and FSDP2, dense models, no pipeline, tensor or sequence parallelism, no DeepSpeed (reentrant)
+    activation checkpointing. On a CPU the first step's compile costs more than a short run saves."""
+    if device_type != "cuda":
+        return False, None
+    layout = [
+        (config.pipeline.schedule != "none", f"pipeline={config.pipeline.schedule}"),
+        (config.sequence_parallel.size > 1, f"sequence_parallel.size={config.sequence_parallel.size}"),
+        (config.tp.mode != TPMode.none, f"tp={config.tp.mode}"),
+        (config.model.family == Family.mixtral, "a mixture of experts (its routing breaks the graph)"),
+        (
+            config.engine.name == EngineName.deepspeed and config.zero.stage == 3,
+            "DeepSpeed's zero=stage3 (its parameter hooks break the graph)",
+        ),
+        (
+            config.engine.name == EngineName.deepspeed
+            and config.checkpointing.enabled
+            and config.checkpointing.impl == CheckpointingImpl.deepspeed,
+            "DeepSpeed's activation checkpointing (reentrant)",
+        ),
+        (config.offload.target != OffloadTarget.none, f"offload={config.offload.target}"),
+    ]
+    reasons = [why for applies, why in layout if applies]
+    if reasons:
+        return False, f"lmrepo: trainer.compile=null -> off for {reasons[0]}; trainer.compile=true compiles anyway"
+    return True, (
+        "lmrepo: trainer.compile=null -> on (GPU): the first step compiles the model (about a minute; inductor "
+        "caches it for the next run of the same shapes); trainer.compile=false turns it off"
+    )
 
 
 def documents_check(config: TrainConfig) -> None:

@@ -138,8 +138,8 @@ class TrainerConfig:
     """checkpoints kept, newest first; 0 = all"""
     device: DeviceChoice = DeviceChoice.auto
     """auto (a GPU when one is visible) | cpu | cuda"""
-    compile: bool = False
-    """torch.compile the model (DeepSpeed's engine.compile, inductor); the first step compiles"""
+    compile: Optional[bool] = None
+    """torch.compile the model (inductor; the first step compiles); null = on a GPU for layouts it suits, CPU off"""
     loss_tiles: int = 1
     """causal LMs: the LM head and loss in this many chunks of the sequence, logits recomputed in backward; 1 = off"""
 

@@ -45,6 +45,11 @@ TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
 def to_device(batch: dict, device) -> dict:
+    """The batch on `device`. To a GPU from page-locked memory, asynchronously: the copy queues behind
+    the kernels already queued instead of making the host wait for them (a copy from pageable
+    memory does), so the host prepares the next step's batches while the device computes."""
+    if torch.device(device).type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 

@@ -156,7 +156,8 @@ class DeepSpeedEngine:
             loss = self.ds(**self._inputs(batch)).loss
             self.ds.backward(loss)  # at the accumulation boundary this also reduces the gradients
             if index == len(batches) - 1 and self._norm_before_step():
-                self.last_grad_norm = float(clip_grad_norm_(self.ds.module.parameters(), math.inf, mpu=self.ds.mpu))
+                # kept on the device: read back only when a metrics line asks for it
+                self.last_grad_norm = clip_grad_norm_(self.ds.module.parameters(), math.inf, mpu=self.ds.mpu)
             self.ds.step()  # DeepSpeed steps the optimizer at the accumulation boundary
             losses.append(self._whole(loss).float())
         if not self._norm_before_step():

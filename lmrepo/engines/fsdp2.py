@@ -88,7 +88,7 @@ class FSDP2Engine:
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
         self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
         self.grad_clip, self.micro_batches = grad_clip, micro_batches
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None
         self.global_steps = 0
         # DCP writes a checkpoint in a background thread while training goes on; its collectives
         # need a process group of their own (on the default one, gloo's messages of the two
@@ -108,7 +108,7 @@ class FSDP2Engine:
         return self.optimizer.param_groups[0]["lr"]
 
     def step_record(self) -> dict:
-        return {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}
+        return {"grad_norm": float(self.last_grad_norm)} if self.last_grad_norm is not None else {}
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """As DeepSpeed does: each micro batch's loss divided by the accumulation steps, gradients
@@ -124,7 +124,7 @@ class FSDP2Engine:
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
-        self.last_grad_norm = norm.item()
+        self.last_grad_norm = norm.detach()  # read back only when a metrics line asks for it
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()

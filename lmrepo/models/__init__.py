@@ -21,6 +21,8 @@ def build_model(model, loss_tiles: int | None = None, expert_parallel_size: int 
         if hasattr(hf_config, "moe"):
             hf_config.moe["expert_parallel_size"] = expert_parallel_size
         net = family.MODEL_CLASS._from_config(hf_config)
+    if hasattr(family, "prepare"):
+        family.prepare(net)
     # Training never reuses attention key/value caches.
     net.config.use_cache = False
     # Named, transformers does not warn from inside forward (a graph break under torch.compile).

@@ -1,6 +1,12 @@
-"""GPT-2 as transformers builds it: a causal LM with tied input/output embeddings."""
+"""GPT-2 as transformers builds it: a causal LM with tied input/output embeddings.
+
+Its MLP's activation is GELU's tanh approximation, which GPT-2's configs name `gelu_new`: in
+transformers an elementwise formula of eight kernels a call. `gelu_pytorch_tanh` is the same
+function as one fused kernel (torch's `gelu(approximate="tanh")`), equal within float rounding
+(tests/test_train.py): lmrepo builds GPT-2 with it, and gives a pretrained GPT-2 it too."""
 
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.activations import ACT2FN
 
 LOSS_TYPE = "ForCausalLM"
 MODEL_CLASS = GPT2LMHeadModel
@@ -16,7 +22,19 @@ def hf_config(model) -> GPT2Config:
         resid_pdrop=model.dropout,
         embd_pdrop=model.dropout,
         attn_pdrop=model.dropout,
+        activation_function=FUSED_GELU,
     )
+
+
+FUSED_GELU = "gelu_pytorch_tanh"
+
+
+def prepare(net: GPT2LMHeadModel) -> None:
+    """A model loaded with `gelu_new` (GPT-2's own checkpoints) computes it fused from now on."""
+    if net.config.activation_function == "gelu_new":
+        net.config.activation_function = FUSED_GELU
+        for block in net.transformer.h:
+            block.mlp.act = ACT2FN[FUSED_GELU]
 
 
 def dropout_overrides(model) -> dict:

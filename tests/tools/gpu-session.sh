@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks a session with a GPU machine runs: carried wheels installed, then pytest -m gpu and
-# the GPU figures (a short default job and a GPT-2 124M bf16 job).
+# The checks a session with a GPU machine runs: carried wheels installed (tests/tools/gpu-wheels.sh
+# makes them), DeepSpeed's fused_adam built, the throughput ruler (benchmarks/bench_throughput.py),
+# then pytest -m gpu in the time left.
 #
 # The GPU machine has python3 with torch (CUDA), nvcc and a C++ compiler, and no network: what
 # lmrepo needs beyond its packages travels as wheels in .whl/ (ignored: .git/info/exclude), made
@@ -13,15 +14,15 @@
 #   bash tests/tools/gpu-session.sh        from the repo root; results under $OUT
 #
 # Every step runs under a timeout and the whole script ends within GPU_SESSION_BUDGET_S seconds
-# (default 480); a failing step does not stop the others, and the exit status is non-zero when
-# any failed. Back in $OUT: gpu_session.log (everything), pytest_gpu.log, and each job's
-# metrics.jsonl and status.json (gpu_default_*, gpu_gpt2_*).
+# (default 570); a failing step does not stop the others, and the exit status is non-zero when
+# any failed. Back in $OUT: gpu_session.log (everything), pytest_gpu.log, the ruler's results files
+# (bench_throughput_<gpu>_<yyyy-mm>.md and .json) and ruler_logs.tgz (each arm's log and run).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 OUT=${OUT:-/tmp/lmrepo-gpu-out}
 mkdir -p "$OUT"
-BUDGET=${GPU_SESSION_BUDGET_S:-480}
+BUDGET=${GPU_SESSION_BUDGET_S:-570}
 export OUT
 export WORK=/tmp/lmrepo-gpu           # run directories and the token cache (kept for a rerun on a warm machine)
 export SITE=/tmp/site
@@ -141,44 +142,31 @@ gpu_tests() {
   return "${PIPESTATUS[0]}"
 }
 
-# job NAME OVERRIDES...: python3 train.py into $WORK/NAME, its metrics and status copied to $OUT.
-job() {
-  local name=$1 rc=0
-  shift
-  python3 train.py "$@" "hydra.run.dir=$WORK/$name" || rc=$?
-  [ -f "$WORK/$name/metrics.jsonl" ] && cp "$WORK/$name/metrics.jsonl" "$OUT/gpu_${name}_metrics.jsonl"
-  echo "--- $name: status.json"
-  cat "$WORK/$name/status.json" 2>/dev/null || echo "(none)"
-  echo
-  echo "--- $name: last metrics lines"
-  tail -n 3 "$WORK/$name/metrics.jsonl" 2>/dev/null || echo "(none)"
+export -f install_wheels versions build_fused_adam gpu_tests
+
+# The throughput ruler (benchmarks/bench_throughput.py): its results files and a tarball of its logs.
+ruler() {
+  local rc=0
+  python3 benchmarks/bench_throughput.py --save --budget "$1" --out "$WORK/ruler" || rc=$?
+  cp benchmarks/results/bench_throughput_* "$OUT/" 2>/dev/null || true
+  tar -czf "$OUT/ruler_logs.tgz" -C "$WORK" --exclude='*.pt' --exclude='checkpoints' ruler 2>/dev/null || true
   return "$rc"
 }
 
-export -f install_wheels versions build_fused_adam gpu_tests job
+export -f ruler
 
 main() {
   echo "lmrepo GPU session at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ), budget ${BUDGET}s"
   mkdir -p "$WORK"
-  rm -rf "$WORK"/default "$WORK"/gpt2* "$WORK"/long_* "$WORK"/moe     # a rerun on a warm machine starts the jobs afresh
-  # The caps and reserves assume (estimates, not yet measured): install ~10 s, versions ~15, the
-  # fused_adam build 1-2 min, the tests a few minutes (8 train.py runs, the first tokenizes
-  # Shakespeare), each job under a minute.
+  rm -rf "$WORK"/ruler     # a rerun on a warm machine measures afresh
+  # The caps and reserves: install ~10 s, versions ~15, the fused_adam build ~30 s (measured on an
+  # H200), the ruler its own --budget plus a minute, the tests what is left (~2 min for all).
   step install 90 0 install_wheels
   step versions 60 0 versions
-  step fused_adam_build 240 180 build_fused_adam
-  step pytest_gpu 330 90 gpu_tests
-  step job_default 60 45 job default trainer.max_steps=60 logger=jsonl
-  # The tiled loss on CUDA: a Llama of 1B at 16k-token blocks with Llama 3's vocabulary size
-  # (128,256 rows: its logits dominate the peak), bf16, one sequence a step, untiled and in 16 tiles
-  local long="model=llama-1b model.n_positions=16384 model.vocab_size=128256 data.block_size=16384
-    trainer.micro_batch_size=1 trainer.max_steps=4 precision=bf16 logger=jsonl trainer.eval_every=0 trainer.log_every=1"
-  step job_long_untiled 75 60 job long_untiled $long
-  step job_long_tiled 75 45 job long_tiled $long trainer.loss_tiles=16
-  # Muon (its update compiled on CUDA) and a Mixtral-style MoE, GPT-2 124M-sized, bf16
-  local gpt2="model=gpt2 data.block_size=1024 trainer.micro_batch_size=8 trainer.max_steps=30 precision=bf16 logger=jsonl trainer.eval_every=0"
-  step job_gpt2_muon 90 45 job gpt2_muon $gpt2 optimizer=muon
-  step job_moe 75 0 job moe model=mixtral-tiny trainer.max_steps=30 precision=bf16 logger=jsonl trainer.eval_every=0
+  step fused_adam_build 240 150 build_fused_adam
+  local ruler_s=$((DEADLINE - SECONDS - ${GPU_SESSION_TESTS_S:-150} - 40))
+  step ruler $((ruler_s + 40)) "${GPU_SESSION_TESTS_S:-150}" ruler "$ruler_s"
+  step pytest_gpu 330 0 gpu_tests
   echo
   echo "=== summary (${SECONDS}s)"
   printf '  %s\n' "${RESULTS[@]}"

@@ -1,0 +1,144 @@
+"""What a GPU step's speed rests on, checked on the CPU: GPT-2's fused GELU is the function it
+replaces, trainer.compile=null compiles where it should, FLOPs count the model that is built, the
+training loop reads nothing back on a step that does not log, and the throughput ruler
+(benchmarks/bench_throughput.py) runs end to end at a smoke size."""
+
+import json
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.activations import ACT2FN
+
+from conftest import CPU, GPU, PYTHON, REPO, compose_config
+from lmrepo.compose import load_config
+from lmrepo.config import compile_by_default
+from lmrepo.estimate import active_block_params
+from lmrepo.models import build_model
+from lmrepo.plan import plan
+
+
+def test_fused_gelu_is_gpt2s_gelu_new_within_float_rounding():
+    """Both compute 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) in fp32. Rounding the inputs of
+    that formula moves it by about eps * max(|x|, 1) (for x < 0 the 1 + tanh cancels, so the error
+    is absolute, not relative to the tiny result): each is within 2 of those of the float64 value
+    (0.94 measured for both), where a changed function (the erf GELU) is off by ~1e-3."""
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0)) * 4
+    exact = ACT2FN["gelu_new"](x.double())
+    scale = torch.finfo(torch.float32).eps * x.double().abs().clamp_min(1)
+    for name in ("gelu_new", "gelu_pytorch_tanh"):
+        assert ((ACT2FN[name](x).double() - exact).abs() <= 2 * scale).all(), name
+    assert not ((ACT2FN["gelu"](x).double() - exact).abs() <= 2 * scale).all()  # the check can fail
+
+
+def test_gpt2_trains_with_the_fused_gelu_also_from_a_gelu_new_checkpoint(tmp_path):
+    built = build_model(load_config(["model.n_layer=2", "model.n_embd=64", "model.n_head=2"]).model)
+    assert built.config.activation_function == "gelu_pytorch_tanh"
+    # GPT-2's own checkpoints name gelu_new: the loaded model computes the same function, fused.
+    torch.manual_seed(0)
+    original = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, activation_function="gelu_new"))
+    original.save_pretrained(tmp_path)
+    loaded = build_model(load_config([f"model.pretrained={tmp_path}"]).model)
+    assert loaded.config.activation_function == "gelu_pytorch_tanh"
+    assert type(loaded.transformer.h[0].mlp.act) is type(ACT2FN["gelu_pytorch_tanh"])
+    ids = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = loaded(input_ids=ids).logits, original.eval()(input_ids=ids).logits
+    # fp32 through 2 blocks: differences of rounding, far below a changed function's (1e-1 and up)
+    assert (ours - theirs).norm() <= 1e-5 * theirs.norm()
+
+
+@pytest.mark.parametrize(
+    "overrides, device, expected",
+    [
+        ([], GPU, True),
+        (["engine=fsdp2"], GPU, True),
+        (["zero=stage2", "checkpointing=full", "checkpointing.impl=torch"], GPU, True),
+        ([], CPU, False),
+        (["zero=stage3"], GPU, False),
+        (["checkpointing=full"], GPU, False),  # DeepSpeed's reentrant checkpointing
+        (["model=mixtral-tiny", "zero=stage1"], GPU, False),
+        (["offload=cpu", "zero=stage2"], GPU, False),
+        (["trainer.compile=false"], GPU, False),
+        (["trainer.compile=true"], CPU, True),
+    ],
+)
+def test_trainer_compile_null_compiles_on_a_gpu_where_the_layout_suits_it(overrides, device, expected):
+    job = plan(compose_config(overrides), 1, device)
+    assert job.config.trainer.compile is expected
+    said = [line for line in job.notes if "trainer.compile=null" in line]
+    if "trainer.compile=" in " ".join(overrides) or device is CPU:
+        assert not said  # a choice the user made, or a CPU: nothing to say
+    else:
+        assert len(said) == 1 and ("-> on" in said[0]) is expected
+
+
+def test_compile_by_default_names_the_reason_it_stays_off():
+    config = load_config(["zero=stage3"])
+    assert compile_by_default(config, "cuda") == (
+        False,
+        "lmrepo: trainer.compile=null -> off for DeepSpeed's zero=stage3 (its parameter hooks break the graph); "
+        "trainer.compile=true compiles anyway",
+    )
+    for layout, reason in (
+        (["pipeline=gpipe"], "pipeline=gpipe"),
+        (["sequence_parallel.size=2", "model=llama-tiny"], "sequence_parallel.size=2"),
+        (["tp=auto", "model=llama-tiny"], "tp=auto"),
+    ):
+        compiles, line = compile_by_default(load_config(layout), "cuda")
+        assert not compiles and f"off for {reason};" in line
+
+
+def test_llama_flops_count_grouped_query_attention_and_swiglu():
+    """Llama 1B's blocks as built: q and o h x h, k and v h x (kv heads x head size), three
+    h x n_inner SwiGLU matrices; GPT's 12*l*h^2 overstates them by 14%."""
+    model = load_config(["model=llama-1b"]).model
+    h, kv, inner = 2048, 4 * 2048 // 32, 5632
+    assert active_block_params(model) == 22 * (2 * h * h + 2 * h * kv + 3 * h * inner)
+    assert active_block_params(load_config(["model=gpt2"]).model) is None  # 12*l*h^2 exact for GPT-2
+
+
+@pytest.fixture(scope="module")
+def ruler(tmp_path_factory):
+    """benchmarks/bench_throughput.py --quick: R0, R1 and train.py's ZeRO-0 and FSDP2 arms, one
+    process each, on a 2 x 64 GPT-2 in fp32 (~1 min on 2 cores)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("ruler")
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "benchmarks" / "bench_throughput.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, {
+        name: json.loads((out / f"{name}.result.json").read_text()) for name in ("R0", "R1", "ds-z0", "fsdp2")
+    }
+
+
+def test_the_ruler_runs_every_kind_of_arm_on_the_same_batches(ruler):
+    stdout, results = ruler
+    assert "| R0 | 2 |" in stdout and "| ds-z0 | 2 |" in stdout and "| fsdp2 | 2 |" in stdout and "| R1 | 2 |" in stdout
+    # Same model, seed and batches in fp32: R0 (torch AdamW), DeepSpeed's engine (torch's AdamW on a
+    # CPU) and FSDP2 take the same steps; step 6's loss agrees to fp32 rounding of another
+    # summation order (a different step or batch would differ by > 1e-3).
+    reference = results["R0"]["losses"][5]
+    assert results["R1"]["losses"][5] == pytest.approx(reference, rel=1e-5)
+    for arm in ("ds-z0", "fsdp2"):
+        assert results[arm]["losses"]["6"] == pytest.approx(reference, rel=1e-5)
+    for figures in results.values():
+        assert figures["step_s"] > 0 and figures["peak_gb"] > 0
+
+
+def test_a_step_that_does_not_log_reads_at_most_one_value_back(ruler):
+    """train.py's steps between logging steps read nothing the step computed back into Python, on
+    one rank (lmrepo.host_syncs counts tensor reads: on a GPU each waits for the device). The one
+    read a step makes is transformers' own: GPT-2's mask code checks the position ids for packed
+    sequences in eager mode (`find_packed_sequence_indices`; compiled, it skips the check).
+    A logging step reads the loss, the gradient norm and the rest of the metrics line."""
+    _, results = ruler
+    for arm in ("ds-z0", "fsdp2"):
+        assert results[arm]["syncs_max"] <= 1, arm
+        assert results[arm]["syncs_log_step"] > results[arm]["syncs_max"], arm
