@@ -58,7 +58,7 @@ TRAIN_KEYS = ["logger=jsonl", "trainer.eval_every=0", "trainer.eval_batches=1", 
 
 # (name, kind, train.py overrides of the arm, what it is). Kinds: r0, r1 (bare loops), train.
 ARMS = [
-    ("R0", "r0", [], "hand-tuned loop: compiled, fused AdamW, nothing read back"),
+    ("R0", "r0", [], "hand-tuned loop: compiled (eager in --quick), fused AdamW, nothing read back"),
     ("ds-z0", "train", [], "train.py as shipped (DeepSpeed ZeRO-0; trainer.compile=null)"),
     ("fsdp2", "train", ["engine=fsdp2", "trainer.compile=true"], "train.py engine=fsdp2 (ZeRO-3-like), compiled"),
     ("R1", "r1", [], "bare DeepSpeed loop (the tutorials'), ZeRO-0, eager"),
@@ -291,7 +291,7 @@ def run_train(spec: dict) -> dict:
     log_every = spec["log_every"]
     per_step = [counts[s + 1] - counts[s] for s in sorted(counts) if s + 1 in counts]
     by_kind = {"log": [], "other": []}
-    for s, n in zip(sorted(counts), per_step):
+    for s, n in zip(sorted(counts), per_step):  # counts[s]: at the start of step s + 1
         by_kind["log" if (s + 1) % log_every == 0 else "other"].append(n)
     return {
         "step_s": statistics.median(tokens_per_step / m["tokens_per_s"] for m in timed),
@@ -350,7 +350,9 @@ class Ruler:
         from lmrepo.plan import plan
 
         job = [*self.job, *([f"trainer.micro_batch_size={micro_batch}"] if micro_batch else [])]
-        max_steps = self.warmup + self.steps + self.count_steps
+        # one step more than the arms time and count: a step's syncs are counted up to the next
+        # step's start, and the last step (the evaluation after it) has none
+        max_steps = self.warmup + self.steps + self.count_steps + 1
         job += [f"trainer.max_steps={max_steps}", f"trainer.log_every={self.log_every}", *TRAIN_KEYS]
         return job, plan(compose_config(job, run_dir=self.out / "unused"), 1)
 
@@ -379,7 +381,7 @@ class Ruler:
                     "warmup": self.warmup,
                     "timed": self.steps,
                     "count_steps": self.count_steps,
-                    "steps": self.warmup + self.steps + self.count_steps,  # every step's batches
+                    "steps": self.warmup + self.steps + self.count_steps + 1,  # every step's batches
                     "log_every": self.log_every,
                     "ds_config": ds_config,
                     "optimizer": {
@@ -417,7 +419,7 @@ class Ruler:
                 proc = subprocess.run(
                     [PYTHON, __file__, "--worker", kind, "--spec", str(spec), "--result", str(result)],
                     cwd=self.out,
-                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                    env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
                     stdout=f,
                     stderr=subprocess.STDOUT,
                     timeout=min(self.args.arm_timeout, max(30, left)),
