@@ -253,7 +253,7 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
     job = plan(compose_config([*overrides, "logger=none"]), 1)
     config, ds_config = job.config, job.ds_config
     init_distributed()
-    engine = build_engine(config, ds_config).ds  # DeepSpeed's engine, stepped as the tutorials step it
+    engine = build_engine(job).ds  # DeepSpeed's engine, stepped as the tutorials step it
     data = LMData(
         token_dir,
         config.data.block_size,

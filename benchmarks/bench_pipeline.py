@@ -207,7 +207,7 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
         dist.get_world_size(),
         detect_device("cpu"),
     )
-    cfg, ds_config = job.config, job.ds_config
+    cfg = job.config
     generator = torch.Generator().manual_seed(0)
     shape = (cfg.trainer.micro_batch_size, cfg.data.block_size)
     # GPT-2's loss shifts the labels itself; a pipeline feeds its first stage the inputs, its last the labels
@@ -217,7 +217,7 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
     ]
 
     set_seed(cfg.trainer.seed)
-    engine = build_engine(cfg, ds_config)
+    engine = build_engine(job)
     assert isinstance(engine, (DeepSpeedPipelineEngine, TorchPipelineEngine)), type(engine)
     (engine.ds if isinstance(engine, DeepSpeedPipelineEngine) else engine).train()
     micro, micro_bytes = micro_step(cfg, batches[0]["input_ids"])

@@ -128,7 +128,7 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int) -> dict:
         for ids in (torch.randint(0, cfg.model.vocab_size, shape, generator=generator) for _ in range(m))
     ]
     set_seed(cfg.trainer.seed)
-    engine = build_engine(cfg, job.ds_config)
+    engine = build_engine(job)
     deepspeed = isinstance(engine, DeepSpeedPipelineEngine)
     if deepspeed:
         engine.ds.train()

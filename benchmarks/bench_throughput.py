@@ -43,6 +43,7 @@ import common  # benchmarks/common.py (this folder is first on sys.path); it put
 from common import REPO, Report, add_save_flag
 
 PYTHON = sys.executable
+PYTHONPATH = os.environ.get("PYTHONPATH")  # the workers' too (a GPU machine's carried packages are on it)
 GPU_JOB = ["model=gpt2", "data.block_size=1024", "trainer.micro_batch_size=8", "precision=bf16"]
 QUICK_JOB = [
     "model.n_layer=2",
@@ -419,7 +420,7 @@ class Ruler:
                 proc = subprocess.run(
                     [PYTHON, __file__, "--worker", kind, "--spec", str(spec), "--result", str(result)],
                     cwd=self.out,
-                    env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+                    env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), PYTHONPATH]))},
                     stdout=f,
                     stderr=subprocess.STDOUT,
                     timeout=min(self.args.arm_timeout, max(30, left)),

@@ -450,8 +450,10 @@ def fit_and_bare(spec: dict) -> dict:
     from lmrepo.ds_config import batch_of
     from lmrepo.engines import build_engine
     from lmrepo.launch import init_distributed
+    from lmrepo.layout import ParallelLayout
     from lmrepo.loggers import build_sinks
     from lmrepo.loop import TrainState, fit
+    from lmrepo.plan import Plan
     from lmrepo.run import throughput_of
 
     config = from_dict(TrainConfig, spec["config"])  # loaded and resolved (lmrepo.plan.plan) by the orchestrator
@@ -459,7 +461,7 @@ def fit_and_bare(spec: dict) -> dict:
     device = detect_device(config.trainer.device)
     init_distributed()
     set_seed(config.trainer.seed)
-    engine = build_engine(config, ds)
+    engine = build_engine(Plan(config, device, ds, ParallelLayout.single(), [], []))  # one rank
     arms = BareArms(spec, spec["arms"])
     global_batch, micro_batch, _ = batch_of(ds)
     layout = Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size)

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from lmrepo.config import TrainConfig, compile_by_default, layout_check, load
 from lmrepo.device import Device, choose_precision, detect_device
 from lmrepo.ds_config import build_ds_config, prefer_torch_adam_on_cpu
+from lmrepo.layout import ParallelLayout
 from lmrepo.preflight import check_deepspeed, check_tensor_parallel
 from lmrepo.user_config import UserConfig, lay_over
 
@@ -19,6 +20,7 @@ class Plan:
     config: TrainConfig  # loaded, its autos resolved (precision, warmup)
     device: Device
     ds_config: dict  # the final DeepSpeed dict: lmrepo's with the user's JSON laid over it
+    layout: ParallelLayout  # every parallel size and rank order (lmrepo.layout)
     user_changed: list[str]  # the keys the user's JSON changed
     notes: list[str]  # what to say at start: the precision (auto's choice, or bf16's cost here), JSON deprecations
 
@@ -31,7 +33,8 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     device = device or detect_device(config.trainer.device)
     config.precision.dtype, precision_line = choose_precision(config.precision.dtype, device)
     check_tensor_parallel(config.tp, config.model)
-    dp_size = layout_check(config, world_size)
+    layout = layout_check(config, world_size)
+    dp_size = layout.dp
     config.eval.check(config.model.family, config.pipeline.schedule, dp_size)
     ds_config, user_changed, user = build_ds_config(config, dp_size), [], None
     notes = [precision_line] if precision_line else []
@@ -48,10 +51,10 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
         ds_config, user_changed = lay_over(ds_config, user, config, dp_size)
         notes += [f"lmrepo: warning: deepspeed_config={user.path}: {line}" for line in user.warnings]
     prefer_torch_adam_on_cpu(ds_config, device.type)
-    check_deepspeed(ds_config, config.pipeline, device, user, config.checkpointing.enabled)
+    check_deepspeed(ds_config, config, device, user)
     if user is not None and user.sets("activation_checkpointing") and not config.checkpointing.enabled:
         notes.append(
             f"lmrepo: deepspeed_config={user.path}: its activation_checkpointing section is not used: activation "
             "checkpointing is off (checkpointing=full or every_n turns it on)"
         )
-    return Plan(config, device, ds_config, user_changed, notes)
+    return Plan(config, device, ds_config, layout, user_changed, notes)

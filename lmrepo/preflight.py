@@ -4,19 +4,13 @@ DeepSpeed dict (lmrepo's, with a user's JSON laid over it) against this machine 
 import os
 from pathlib import Path
 
-from lmrepo.config import CheckpointingConfig, ModelConfig, PipelineConfig, TPConfig, TPMode
+from lmrepo.config import CheckpointingConfig, ModelConfig, TPConfig, TPMode, TrainConfig, rules
 from lmrepo.device import Device
 from lmrepo.errors import ConfigError, require
 from lmrepo.user_config import UserConfig, enabled
 
 
-def check_deepspeed(
-    ds: dict,
-    pipeline: PipelineConfig,
-    device: Device,
-    user: UserConfig | None = None,
-    activation_checkpointing: bool = True,
-) -> None:
+def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserConfig | None = None) -> None:
     """The final dict's rules, so a user's JSON is held to the same ones as lmrepo's groups. Each
     message names what will fix it: the JSON's key when the JSON set the value, lmrepo's otherwise."""
 
@@ -67,7 +61,7 @@ def check_deepspeed(
             )
     if optimizer_offload == "nvme" or param_offload == "nvme":
         check_libaio()
-    if user is not None and user.sets("activation_checkpointing") and activation_checkpointing:
+    if user is not None and user.sets("activation_checkpointing") and config.checkpointing.enabled:
         # The section only matters while blocks recompute (plan() says when it is not used).
         section = ds["activation_checkpointing"]
         try:
@@ -80,65 +74,7 @@ def check_deepspeed(
             )
         except ConfigError as err:
             raise ConfigError(f"deepspeed_config={user.path}: {err}") from None
-    if str(ds.get("optimizer", {}).get("type", "")).lower() == "muon":
-        check_muon(ds, pipeline, fix)
-    schedule = pipeline.schedule
-    if pipeline.engine == "deepspeed":
-        require(
-            stage <= 1,
-            f"the DeepSpeed pipeline (pipeline={schedule}) supports ZeRO stage 0 or 1, not {stage}: "
-            f"{stage_fix or 'set zero=stage0 or stage1'}",
-        )
-    if pipeline.engine == "torch":
-        where = f"pipeline={schedule} (torch.distributed.pipelining)"
-        require(
-            user is None,
-            f"{where} is not a DeepSpeed engine: deepspeed_config does not apply to it; "
-            "use pipeline=1f1b, or leave deepspeed_config out",
-        )
-        require(
-            stage == 0,
-            f"{where} supports ZeRO stage 0 only, not {stage}: set zero=stage0, "
-            "or pipeline=1f1b for DeepSpeed's pipeline with ZeRO-1",
-        )
-        require(optimizer_offload == "none", f"{where} does not offload: set offload=none, or pipeline=1f1b")
-        require(not fp16, f"{where} runs fp32 or bf16: set precision=bf16, or pipeline=1f1b for fp16")
-
-
-def check_muon(ds: dict, pipeline: PipelineConfig, fix) -> None:
-    """DeepSpeed's Muon (lmrepo's optimizer=muon, or a JSON's "Muon") where it means what lmrepo
-    says: whole matrices orthogonalised, trainer.grad_clip clipping the gradient at every stage,
-    each half of the parameters at its own learning rate."""
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    other = "or optimizer=adamw"
-    require(
-        pipeline.schedule == "none",
-        f"optimizer=muon runs on DeepSpeed's engine without a pipeline (each stage would need its own "
-        f"Muon/AdamW split and checkpoint layout, not offered yet): choose pipeline=none, {other}",
-    )
-    require(
-        ds.get("tensor_parallel", {}).get("autotp_size", 1) <= 1,
-        f"optimizer=muon with tp=auto would orthogonalise each rank's shard of a matrix, not the matrix: "
-        f"choose tp=none, {other}",
-    )
-    require(
-        stage == 0 or not ds.get("gradient_clipping"),
-        f"optimizer=muon with ZeRO stage {stage}: DeepSpeed's ZeRO clips Muon's orthogonalised update there, "
-        f"not the gradient, so trainer.grad_clip would not mean what it means at stage 0: "
-        f"{fix('gradient_clipping', 'set trainer.grad_clip=0, or zero=stage0')}",
-    )
-    require(
-        stage != 3 or not ds["zero_optimization"].get("reduce_scatter", True),
-        f"DeepSpeed's Muon under ZeRO-3 needs whole gradients (no reduce-scatter): "
-        f"{fix('zero_optimization.reduce_scatter', 'set zero.reduce_scatter=false, or leave it null')}",
-    )
-    scheduler = ds.get("scheduler", {}).get("type")
-    require(
-        scheduler not in ("WarmupLR", "WarmupDecayLR"),
-        f"{scheduler} sets one absolute learning rate for every parameter group, and Muon's two halves have "
-        f"their own (optimizer.lr, optimizer.adam_lr): "
-        f"{fix('scheduler', 'choose schedule=cosine or schedule=wsd (decay_fraction=0: constant, 1: linear decay)')}",
-    )
+    rules.check(rules.Job(config, ds, fix))  # the combinations the final dict refuses (lmrepo/config/rules.py)
 
 
 def check_nvme_path(path: str | None, key: str = "offload.nvme_path") -> None:

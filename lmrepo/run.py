@@ -44,8 +44,7 @@ def prepare_job(job: Plan, run_dir: Path):
     found = checkpoint.find(config.run.resume, run_dir / "checkpoints")
     if found:
         resume = checkpoint.inspect(*found, config.model, len(tokenizer), config.pipeline, config.engine.name)
-        global_batch, micro_batch, accum = batch_of(ds_config)
-        dp_size = global_batch // (micro_batch * accum)
+        dp_size = job.layout.dp
         if resume.partitioned and resume.dp_size != dp_size and config.pipeline.engine:
             raise ConfigError(
                 f"this pipeline checkpoint was saved with {resume.dp_size} data-parallel replica(s), this run "
@@ -194,7 +193,7 @@ def train(cfg: DictConfig, job: Plan) -> dict:
 
     sinks = None
     try:
-        engine = build_engine(config, ds_config)
+        engine = build_engine(job)
         data = engine_data(config, ds_config, engine, data_sources, tokenizer)
         downstream = Downstream(config.eval, tasks, engine, tokenizer, run_dir) if tasks else None
         loading = time.perf_counter()

@@ -85,7 +85,7 @@ def load_job(argv: list[str]) -> Job:
         cfg = load_config(overrides)
         if cfg.precision.dtype == "auto":  # planning for GPUs of compute capability >= 8.0, where auto is bf16
             cfg.precision.dtype = "bf16"
-        dp = layout_check(cfg, own["world"])
+        dp = layout_check(cfg, own["world"]).dp
         global_batch, micro, _ = resolve_batch(
             cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, cfg.trainer.grad_accum, dp
         )

@@ -32,7 +32,7 @@ def main(out: Path, overrides: list[str]) -> None:
     config, ds = job.config, job.ds_config
     init_distributed()
     set_seed(config.trainer.seed)
-    engine = build_engine(config, ds)
+    engine = build_engine(job)
     global_batch, micro_batch, _ = batch_of(ds)
     layout = Layout(global_batch, micro_batch, engine.dp_rank, engine.dp_size)
     data = LMData(sources, config.data.block_size, "gpt2", tokenizer, layout, config.trainer.seed, 1)

@@ -92,7 +92,7 @@ def main(out: Path, overrides: list[str]) -> None:
     cfg, ds = job.config, job.ds_config
     init_distributed()
     set_seed(cfg.trainer.seed)
-    engine = build_engine(cfg, ds)
+    engine = build_engine(job)
     data = engine_data(cfg, ds, engine, sources, tokenizer)
     steps = [data.train_step(step) for step in range(cfg.trainer.max_steps)]
     ours = [engine.train_step(batches).item() for batches in steps]

@@ -25,7 +25,7 @@ def main(out: Path, overrides: list[str]) -> None:
     cfg, ds = job.config, job.ds_config
     init_distributed()
     set_seed(cfg.trainer.seed)
-    lmrepo_engine = build_engine(cfg, ds)
+    lmrepo_engine = build_engine(job)
     data = engine_data(cfg, ds, lmrepo_engine, sources, tokenizer)
     batches = data.train_step(0)
 

@@ -12,10 +12,12 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 from deepspeed.runtime.utils import clip_grad_norm_
 from transformers.integrations import HfDeepSpeedConfig
 
-from lmrepo.config import CheckpointingConfig, ModelConfig
+from lmrepo.config import CheckpointingConfig, TrainConfig
 from lmrepo.device import isolate_compile_cache
+from lmrepo.engines import compile_muon as compile_muon_choice
 from lmrepo.engines.base import to_device
 from lmrepo.errors import ConfigError
+from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model
 from lmrepo.models.mixtral import moe_record
 from lmrepo.muon import compile_muon_update, muon_parameters
@@ -104,16 +106,16 @@ def enable_activation_checkpointing(model, checkpointing: CheckpointingConfig, d
                 module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
 
 
-def tensor_parallel_groups(ds_config: dict):
+def tensor_parallel_groups(layout: ParallelLayout):
     """AutoTP's process groups, made before deepspeed.initialize and handed to it as `mpu`:
     without them DeepSpeed checks train_batch_size against the whole world, counting each
-    tensor-parallel rank as a data-parallel one."""
-    size = ds_config.get("tensor_parallel", {}).get("autotp_size", 0)
-    if size <= 1:
+    tensor-parallel rank as a data-parallel one. DeepSpeed's mesh puts the tensor-parallel ranks
+    innermost (consecutive), as the layout does."""
+    if layout.tp <= 1:
         return None
     from deepspeed.utils import groups
 
-    groups._init_tp_mesh_device(tensor_model_parallel_size=size)
+    groups._init_tp_mesh_device(tensor_model_parallel_size=layout.tp)
     return groups
 
 
@@ -122,17 +124,10 @@ class DeepSpeedEngine:
 
     background_save = False
 
-    def __init__(self, ds_engine, slicer: Slicer | None = None):
+    def __init__(self, ds_engine, layout: ParallelLayout, slicer: Slicer | None = None):
         self.ds, self.device, self.slicer = ds_engine, ds_engine.device, slicer
-        if slicer is not None:  # one sequence-parallel group (consecutive ranks) reads the same samples
-            self.dp_rank, self.dp_size = dist.get_rank() // slicer.size, dist.get_world_size() // slicer.size
-        elif ds_engine.autotp_size() > 1:  # one tensor-parallel group reads the same samples
-            self.dp_rank, self.dp_size = (
-                ds_engine.mpu.get_data_parallel_rank(),
-                ds_engine.mpu.get_data_parallel_world_size(),
-            )
-        else:
-            self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        # a sequence- or tensor-parallel group (consecutive ranks) reads the same samples
+        self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
         # DeepSpeed's ZeRO optimizers write Muon's orthogonalised update into the gradient before
         # they take the norm: not the gradient's norm, so the metrics line leaves grad_norm out.
         self.norm_is_the_update = type(ds_engine.basic_optimizer).__name__ == "MuonWithAuxAdam" and type(
@@ -203,34 +198,25 @@ class DeepSpeedEngine:
         return client_state or {}
 
 
-def build(
-    model_cfg: ModelConfig,
-    checkpointing: CheckpointingConfig,
-    ds_config: dict,
-    compile: bool = False,
-    compile_muon: bool = False,
-    loss_tiles: int = 1,
-    expert_parallel_size: int = 1,
-) -> DeepSpeedEngine:
+def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> DeepSpeedEngine:
     zero3 = None
-    if model_cfg.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
+    if config.model.zero_init and ds_config.get("zero_optimization", {}).get("stage") == 3:
         # While this object lives, transformers builds (and loads) the model under
         # deepspeed.zero.Init: each rank materializes only its partition. Random init then
         # draws in another order, so the weights differ from a run of another stage.
         zero3 = HfDeepSpeedConfig(ds_config)
-    sequence_parallel = ds_config.get("sequence_parallel_size", 1)
-    own_loss = loss_tiles > 1 or sequence_parallel > 1
-    model = build_model(
-        model_cfg, loss_tiles=loss_tiles if own_loss else None, expert_parallel_size=expert_parallel_size
-    )
-    enable_activation_checkpointing(model, checkpointing, ds_config)
-    if sequence_parallel > 1:
-        mpu = register(model, sequence_parallel, ds_config["train_micro_batch_size_per_gpu"])
-        engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), Slicer(mpu))
+    tiles = config.trainer.loss_tiles
+    own_loss = tiles > 1 or layout.sp > 1
+    model = build_model(config.model, loss_tiles=tiles if own_loss else None, expert_parallel_size=layout.ep)
+    enable_activation_checkpointing(model, config.checkpointing, ds_config)
+    compile_muon = compile_muon_choice(config.optimizer.compile)
+    if layout.sp > 1:
+        mpu = register(model, layout.sp, ds_config["train_micro_batch_size_per_gpu"])
+        engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), layout, Slicer(mpu))
     else:
-        mpu = tensor_parallel_groups(ds_config)
-        engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon))
-    if compile:
+        mpu = tensor_parallel_groups(layout)
+        engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), layout)
+    if config.trainer.compile:
         isolate_compile_cache()
         engine.ds.compile()  # in place: parameter names, hence checkpoints, are unchanged
     engine.zero3_hf_config = zero3  # keep alive for the engine's lifetime

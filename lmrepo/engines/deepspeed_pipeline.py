@@ -5,10 +5,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
-from lmrepo.config import CheckpointingConfig, ModelConfig, PipelineConfig
+from lmrepo.config import TrainConfig
 from lmrepo.engines.base import pipeline_inputs
 from lmrepo.engines.deepspeed import DeepSpeedEngine, enable_activation_checkpointing, initialize
 from lmrepo.engines.pipeline_timeline import Timeline, watch_deepspeed_pipeline
+from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, pipe
 
 
@@ -28,12 +29,9 @@ def count_every_stage_in_clip_norm(module: PipelineModule) -> None:
 class DeepSpeedPipelineEngine(DeepSpeedEngine):
     """lmrepo's Engine over DeepSpeed's PipelineEngine: a step is one train_batch."""
 
-    def __init__(self, ds_engine):
+    def __init__(self, ds_engine, layout: ParallelLayout):
         self.ds, self.device = ds_engine, ds_engine.device
-        self.dp_rank, self.dp_size = (
-            ds_engine.grid.get_data_parallel_rank(),
-            ds_engine.grid.get_data_parallel_world_size(),
-        )
+        self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
         self.timeline = Timeline()  # this rank's instructions of the last train_batch
         watch_deepspeed_pipeline(self.timeline, ds_engine)
         self.last_bubble: float | None = None
@@ -64,18 +62,17 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         return mean
 
 
-def build(
-    model_cfg: ModelConfig, checkpointing: CheckpointingConfig, pipeline: PipelineConfig, ds_config: dict
-) -> DeepSpeedPipelineEngine:
+def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> DeepSpeedPipelineEngine:
     """The whole transformers model is built on every rank first (the same seeded weights as a
-    non-pipelined run); each rank then keeps only its stage's layers."""
-    net = build_model(model_cfg)
-    enable_activation_checkpointing(net, checkpointing, ds_config)  # the blocks checkpoint themselves
+    non-pipelined run); each rank then keeps only its stage's layers. DeepSpeed's grid numbers
+    the ranks pipe-major, as the layout does."""
+    net = build_model(config.model)
+    enable_activation_checkpointing(net, config.checkpointing, ds_config)  # the blocks checkpoint themselves
     module = PipelineModule(
-        layers=pipe.pipeline_layers(net, model_cfg.family),
-        num_stages=pipeline.stages,
-        loss_fn=pipe.LMLoss(model_cfg.family, net.config.vocab_size),
-        partition_method=pipeline.partition,
+        layers=pipe.pipeline_layers(net, config.model.family),
+        num_stages=layout.pp,
+        loss_fn=pipe.LMLoss(config.model.family, net.config.vocab_size),
+        partition_method=config.pipeline.partition,
     )  # type:GPT2Block also matches GPT2BlockPipe
     count_every_stage_in_clip_norm(module)
-    return DeepSpeedPipelineEngine(initialize(module, ds_config))
+    return DeepSpeedPipelineEngine(initialize(module, ds_config), layout)

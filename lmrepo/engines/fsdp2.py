@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -34,6 +33,7 @@ from lmrepo.device import isolate_compile_cache
 from lmrepo.engines.base import TORCH_OPTIMIZERS, to_device
 from lmrepo.engines.deepspeed import param_groups
 from lmrepo.errors import ConfigError
+from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model
 from lmrepo.schedules import build_scheduler
 
@@ -63,10 +63,11 @@ class FSDP2Engine:
         bf16: bool,
         offload: bool,
         device: torch.device,
+        layout: ParallelLayout,
     ):
         self.device = device
-        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        mesh = init_device_mesh(device.type, (self.dp_size,))
+        self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
+        mesh = layout.mesh(device.type)["dp_shard"]  # FSDP shards over the data-parallel ranks
         policy = {
             "mesh": mesh,
             "reshard_after_forward": reshard_after_forward,
@@ -244,10 +245,12 @@ def _torch_value(module: str, name: str) -> bool:
     return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
 
 
-def build(config: TrainConfig, scheduler: dict, micro_batches: int) -> FSDP2Engine:
+def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2Engine:
     """The model built and seeded as DeepSpeed's engine builds it, then sharded, on the device
     DeepSpeed's accelerator names for this rank (the same the DeepSpeed engines run on)."""
     from deepspeed.accelerator import get_accelerator
+
+    from lmrepo.ds_config import batch_of
 
     device = torch.device(get_accelerator().current_device_name())
     tiles = config.trainer.loss_tiles
@@ -260,13 +263,14 @@ def build(config: TrainConfig, scheduler: dict, micro_batches: int) -> FSDP2Engi
     return FSDP2Engine(
         model,
         config.optimizer,
-        scheduler,
+        ds_config["scheduler"],
         config.trainer.grad_clip,
-        micro_batches,
+        batch_of(ds_config)[2],
         reshard_after_forward=config.zero.stage == 3,
         bf16=config.precision.dtype == "bf16",
         offload=config.offload.target == OffloadTarget.cpu,
         device=device,
+        layout=layout,
     )
 
 

@@ -49,12 +49,13 @@ from torch.distributed.pipelining import (
 )
 
 from lmrepo import safe_load
-from lmrepo.config import CheckpointingConfig, ModelConfig, OptimizerConfig, PipelineConfig
+from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES
 from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
 from lmrepo.errors import ConfigError
+from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
 from lmrepo.schedules import build_scheduler
@@ -176,13 +177,14 @@ class TorchPipelineEngine:
         grad_clip: float,
         micro_batches: int,
         bf16: bool,
+        layout: ParallelLayout,
     ):
         self.device = torch.device(get_accelerator().current_device_name())
-        self.stages, virtual = pipeline.stages, pipeline.virtual_stages
-        world = dist.get_world_size()
-        self.grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=self.stages, num_dp=world // self.stages))
-        self.stage_id, self.dp = self.grid.get_stage_id(), self.grid.get_data_parallel_world_size()
-        self.dp_rank, self.dp_size = self.grid.get_data_parallel_rank(), self.dp
+        self.stages, virtual = layout.pp, pipeline.virtual_stages
+        # DeepSpeed's grid for its groups: pipe-major, as the layout numbers the ranks
+        self.grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=layout.pp, num_dp=layout.dp))
+        self.stage_id, self.dp = layout.stage(dist.get_rank()), layout.dp
+        self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
         self.micro_batches = micro_batches
         self.loss, self.layer_specs = loss, layers
         # plain ints: DeepSpeed's partition gives numpy ints, which a weights-only load refuses
@@ -460,18 +462,22 @@ class TorchPipelineEngine:
         return {k: v for k, v in states.items() if k not in engine_keys}
 
 
-def build(
-    model_cfg: ModelConfig,
-    checkpointing: CheckpointingConfig,
-    pipeline: PipelineConfig,
-    optimizer: OptimizerConfig,
-    scheduler: dict,
-    grad_clip: float,
-    micro_batches: int,
-    bf16: bool,
-) -> TorchPipelineEngine:
+def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> TorchPipelineEngine:
     """The same layer list DeepSpeed's pipeline splits, from the same seeded transformers model."""
-    net = build_model(model_cfg)
-    enable_activation_checkpointing(net, checkpointing, {})  # the blocks checkpoint themselves
-    layers, loss = pipe.pipeline_layers(net, model_cfg.family), pipe.LMLoss(model_cfg.family, net.config.vocab_size)
-    return TorchPipelineEngine(layers, loss, pipeline, optimizer, scheduler, grad_clip, micro_batches, bf16)
+    from lmrepo.ds_config import batch_of
+
+    net = build_model(config.model)
+    enable_activation_checkpointing(net, config.checkpointing, {})  # the blocks checkpoint themselves
+    layers = pipe.pipeline_layers(net, config.model.family)
+    loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
+    return TorchPipelineEngine(
+        layers,
+        loss,
+        config.pipeline,
+        config.optimizer,
+        ds_config["scheduler"],
+        config.trainer.grad_clip,
+        batch_of(ds_config)[2],
+        config.precision.dtype == "bf16",
+        layout,
+    )

@@ -1,0 +1,620 @@
+"""The one table of what lmrepo refuses to combine, and why.
+
+Each row names the techniques it is about, when it applies, the one line a user reads, and its
+reason: `Upstream` (a library refuses the combination or computes it wrongly: which library, which
+version, where) or `NotYet` (lmrepo has not built it). Validation reads this table and nothing
+else refuses a combination: `check(job)` raises the first row that applies. Rules about one
+technique's own values (a size that must be >= 1, heads that must divide) stay with its config.
+
+The composition matrix (docs/reference/composition.md, `scripts/composition_matrix.py`) is made
+from AXES, this table and the pairs the test suite runs (tests/composition.py).
+
+A row with `pair=True` refuses every combination of its two axes; otherwise it refuses a setting
+inside an allowed pair (a ZeRO stage, a size, a key) and the pair stays allowed.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lmrepo.errors import ConfigError
+
+# --- the technique axes of the composition matrix --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Axis:
+    label: str
+    on: Callable  # TrainConfig -> bool
+    overrides: tuple[str, ...]  # train.py overrides that turn it on (the composition tests' base job adds a model)
+
+
+def _pipeline(engine: str) -> Callable:
+    return lambda c: c.pipeline.schedule != "none" and c.pipeline.engine == engine
+
+
+AXES: dict[str, Axis] = {
+    "fsdp2": Axis("FSDP2", lambda c: c.engine.name == "fsdp2", ("engine=fsdp2",)),
+    "zero3": Axis("ZeRO-3", lambda c: c.engine.name == "deepspeed" and c.zero.stage == 3, ("zero=stage3",)),
+    "offload": Axis("CPU/NVMe offload", lambda c: str(c.offload.target) != "none", ("offload=cpu", "zero=stage2")),
+    "ds_pipeline": Axis("DeepSpeed pipeline", _pipeline("deepspeed"), ("pipeline=1f1b", "pipeline.stages=2")),
+    "torch_pipeline": Axis("torch pipeline", _pipeline("torch"), ("pipeline=gpipe", "pipeline.stages=2")),
+    "autotp": Axis("AutoTP", lambda c: str(c.tp.mode) == "auto", ("tp=auto", "tp.size=2")),
+    "sequence_parallel": Axis(
+        "sequence parallel", lambda c: c.sequence_parallel.size > 1, ("sequence_parallel.size=2",)
+    ),
+    "moe": Axis("MoE / expert parallel", lambda c: c.model.family == "mixtral", ("model=mixtral-tiny",)),
+    "muon": Axis("Muon", lambda c: str(c.optimizer.name) == "muon", ("optimizer=muon",)),
+    "tiled_loss": Axis("tiled loss", lambda c: c.trainer.loss_tiles > 1, ("trainer.loss_tiles=2",)),
+    "document_masking": Axis(
+        "document masking", lambda c: not c.data.cross_document_attention, ("data.cross_document_attention=false",)
+    ),
+    "compile": Axis("compile", lambda c: bool(c.trainer.compile), ("trainer.compile=true",)),
+    "activation_checkpointing": Axis(
+        "activation checkpointing", lambda c: c.checkpointing.enabled, ("checkpointing=full",)
+    ),
+    "bf16": Axis("bf16", lambda c: str(c.precision.dtype) == "bf16", ("precision=bf16",)),
+}
+# Pairs that are one choice, not two techniques: a job has one pipeline engine.
+EXCLUSIVE = {frozenset(("ds_pipeline", "torch_pipeline"))}
+
+
+# --- the reasons -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A library refuses it, or computes it wrongly."""
+
+    library: str  # name and version, e.g. "DeepSpeed 0.19.8"
+    where: str  # the place that refuses or breaks
+
+    def __str__(self) -> str:
+        return f"upstream: {self.library}, {self.where}"
+
+
+@dataclass(frozen=True)
+class NotYet:
+    """lmrepo has not built it."""
+
+    what: str
+
+    def __str__(self) -> str:
+        return f"not yet: {self.what}"
+
+
+# --- the table -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """What a rule looks at: the loaded config, and (checked again before launch) the final
+    DeepSpeed dict with a user's JSON laid over it."""
+
+    config: object  # TrainConfig
+    ds: dict | None = None
+    fix: Callable[[str, str], str] = field(default=lambda json_key, lmrepo_fix: lmrepo_fix)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the engine will run: the final dict's where there is one (a JSON may set it)."""
+        if self.ds is not None:
+            return self.ds.get("zero_optimization", {}).get("stage", 0)
+        return self.config.zero.stage
+
+
+@dataclass(frozen=True)
+class Rule:
+    techniques: tuple[str, ...]  # axes (AXES) or other settings it is about
+    refuses: Callable[[Job], bool]
+    message: Callable[[Job], str]
+    reason: Upstream | NotYet
+    pair: bool = False  # refuses every combination of its two axes
+    final: bool = False  # reads the final DeepSpeed dict: checked before launch, not when the config loads
+
+
+def on(job: Job, *axes: str) -> bool:
+    return all(AXES[a].on(job.config) for a in axes)
+
+
+def _c(job: Job):
+    return job.config
+
+
+DS = "DeepSpeed 0.19.8"
+TORCH = "torch 2.13"
+FSDP_OTHER = "or choose engine=deepspeed"
+SP_OFF = "or set sequence_parallel.size=1"
+MUON_OTHER = "or optimizer=adamw"
+MUON_SCHEDULES = "choose schedule=cosine or schedule=wsd (decay_fraction=0: constant, 1: linear decay)"
+TORCH_PIPE = "pipeline={s} (torch.distributed.pipelining)"
+
+
+def _sp(job: Job) -> str:
+    return f"sequence_parallel.size={_c(job).sequence_parallel.size}"
+
+
+def _tiles(job: Job) -> str:
+    return f"trainer.loss_tiles={_c(job).trainer.loss_tiles}"
+
+
+def _torch_pipe(job: Job) -> str:
+    return TORCH_PIPE.format(s=_c(job).pipeline.schedule)
+
+
+def _embedding(job: Job) -> int:
+    shape = _c(job).model.shape()
+    return shape["vocab_size"] * shape["n_embd"]
+
+
+def _bucket(job: Job) -> float:
+    return _c(job).zero.reduce_bucket_size or 5e8  # DeepSpeed's default
+
+
+def _zero_r(job: Job) -> list[str]:
+    keys = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+    return [k for k in keys if getattr(_c(job).checkpointing, k)]
+
+
+RULES: list[Rule] = [
+    # --- FSDP2
+    Rule(
+        ("fsdp2", "zero"),
+        lambda j: on(j, "fsdp2") and _c(j).zero.stage < 2,
+        lambda j: (
+            f"engine=fsdp2 has no counterpart of zero=stage{_c(j).zero.stage} (FSDP2 shards parameters, gradients "
+            "and optimizer states together): choose zero=stage3 (parameters resharded after forward) or zero=stage2 "
+            "(kept "
+            f"gathered until backward), {FSDP_OTHER}"
+        ),
+        Upstream(TORCH, "fully_shard shards parameters, gradients and optimizer states together (no ZeRO-0/1 mode)"),
+    ),
+    Rule(
+        ("fsdp2", "offload"),
+        lambda j: on(j, "fsdp2") and str(_c(j).offload.target) == "nvme",
+        lambda j: f"engine=fsdp2 offloads to CPU memory only: choose offload=cpu or offload=none, {FSDP_OTHER}",
+        Upstream(TORCH, "FSDP2's OffloadPolicy has CPUOffloadPolicy only"),
+    ),
+    Rule(
+        ("fsdp2", "offload"),
+        lambda j: on(j, "fsdp2", "offload") and _c(j).offload.params is False,
+        lambda j: (
+            "engine=fsdp2 offloads parameters, gradients and optimizer states together (CPUOffloadPolicy): "
+            f"drop offload.params=false, {FSDP_OTHER}"
+        ),
+        Upstream(TORCH, "CPUOffloadPolicy offloads the sharded parameters with their gradients and states"),
+    ),
+    Rule(
+        ("fsdp2", "ds_pipeline"),
+        lambda j: on(j, "fsdp2", "ds_pipeline"),
+        lambda j: f"engine=fsdp2 runs without a pipeline: choose pipeline=none, {FSDP_OTHER}",
+        Upstream(DS, "PipelineModule runs inside DeepSpeed's own engine"),
+        pair=True,
+    ),
+    Rule(
+        ("fsdp2", "torch_pipeline"),
+        lambda j: on(j, "fsdp2", "torch_pipeline"),
+        lambda j: f"engine=fsdp2 runs without a pipeline: choose pipeline=none, {FSDP_OTHER}",
+        NotYet("pipeline stages sharded with fully_shard over a pipeline x data mesh"),
+        pair=True,
+    ),
+    Rule(
+        ("fsdp2", "muon"),
+        lambda j: on(j, "fsdp2", "muon"),
+        lambda j: (
+            "optimizer=muon orthogonalises whole matrices and engine=fsdp2 keeps each one sharded across the "
+            f"ranks (not offered yet): choose optimizer=adamw, {FSDP_OTHER}"
+        ),
+        NotYet("gathering each sharded matrix for the orthogonalisation"),
+        pair=True,
+    ),
+    Rule(
+        ("fsdp2", "autotp"),
+        lambda j: on(j, "fsdp2", "autotp"),
+        lambda j: f"engine=fsdp2 with tensor parallelism (a 2-D mesh) is not offered: choose tp=none, {FSDP_OTHER}",
+        NotYet("torch tensor-parallel styles on a data x tensor mesh under fully_shard"),
+        pair=True,
+    ),
+    Rule(
+        ("fsdp2", "deepspeed_config"),
+        lambda j: on(j, "fsdp2") and _c(j).deepspeed_config is not None,
+        lambda j: (
+            f"deepspeed_config={_c(j).deepspeed_config} configures DeepSpeed's engine, not FSDP2: drop it, {FSDP_OTHER}"
+        ),
+        Upstream(TORCH, "FSDP2 reads no DeepSpeed JSON"),
+    ),
+    Rule(
+        ("fsdp2", "fp16"),
+        lambda j: on(j, "fsdp2") and str(_c(j).precision.dtype) == "fp16",
+        lambda j: (
+            "engine=fsdp2 trains in fp32 or bf16 (fp16 would need a sharded gradient scaler): choose "
+            "precision=bf16, " + FSDP_OTHER
+        ),
+        NotYet("a sharded gradient scaler for fp16"),
+    ),
+    Rule(
+        ("fsdp2", "zero_init"),
+        lambda j: on(j, "fsdp2") and _c(j).model.zero_init,
+        lambda j: f"model.zero_init is DeepSpeed's zero.Init: set it to false, {FSDP_OTHER}",
+        Upstream(DS, "zero.Init partitions for DeepSpeed's ZeRO-3 engine"),
+    ),
+    Rule(
+        ("fsdp2", "activation_checkpointing"),
+        lambda j: on(j, "fsdp2", "activation_checkpointing") and bool(_zero_r(j)),
+        lambda j: (
+            f"checkpointing.{_zero_r(j)[0]} is a ZeRO-R option of DeepSpeed's activation checkpointing; under "
+            f"engine=fsdp2 blocks recompute with torch.utils.checkpoint: drop it, {FSDP_OTHER}"
+        ),
+        Upstream(DS, "ZeRO-R's options belong to deepspeed.checkpointing"),
+    ),
+    # --- document masking, the tiled loss
+    Rule(
+        ("document_masking", "bert"),
+        lambda j: on(j, "document_masking") and _c(j).model.family == "bert",
+        lambda j: (
+            "data.cross_document_attention=false keeps causal documents apart; model.family=bert attends both "
+            "ways and has no per-document mask here: choose a gpt2 or llama model, or set "
+            "data.cross_document_attention=true"
+        ),
+        NotYet("a per-document bidirectional mask for BERT"),
+    ),
+    Rule(
+        ("tiled_loss", "bert"),
+        lambda j: on(j, "tiled_loss") and _c(j).model.family == "bert",
+        lambda j: f"{_tiles(j)} tiles a causal LM's loss, not model.family=bert's masked one: set trainer.loss_tiles=1",
+        NotYet("a tiled masked-LM loss"),
+    ),
+    Rule(
+        ("tiled_loss", "ds_pipeline"),
+        lambda j: on(j, "tiled_loss", "ds_pipeline"),
+        lambda j: (
+            f"{_tiles(j)} does not combine with pipeline={_c(j).pipeline.schedule} (its last stage computes the "
+            "loss in the pipeline's layer list): set trainer.loss_tiles=1"
+        ),
+        NotYet("the tiled loss as the pipeline's last stage"),
+        pair=True,
+    ),
+    Rule(
+        ("tiled_loss", "torch_pipeline"),
+        lambda j: on(j, "tiled_loss", "torch_pipeline"),
+        lambda j: (
+            f"{_tiles(j)} does not combine with pipeline={_c(j).pipeline.schedule} (its last stage computes the "
+            "loss in the pipeline's layer list): set trainer.loss_tiles=1"
+        ),
+        NotYet("the tiled loss as the pipeline's last stage"),
+        pair=True,
+    ),
+    # --- sequence parallelism (Ulysses)
+    Rule(
+        ("sequence_parallel", "fsdp2"),
+        lambda j: on(j, "sequence_parallel", "fsdp2"),
+        lambda j: f"{_sp(j)} runs on engine=deepspeed (Ulysses): choose it, {SP_OFF}",
+        NotYet("Ulysses attention under fully_shard"),
+        pair=True,
+    ),
+    Rule(
+        ("sequence_parallel", "ds_pipeline"),
+        lambda j: on(j, "sequence_parallel", "ds_pipeline"),
+        lambda j: f"{_sp(j)} does not combine with a pipeline: choose pipeline=none, {SP_OFF}",
+        NotYet("sequence-parallel groups inside pipeline stages"),
+        pair=True,
+    ),
+    Rule(
+        ("sequence_parallel", "torch_pipeline"),
+        lambda j: on(j, "sequence_parallel", "torch_pipeline"),
+        lambda j: f"{_sp(j)} does not combine with a pipeline: choose pipeline=none, {SP_OFF}",
+        NotYet("sequence-parallel groups inside pipeline stages"),
+        pair=True,
+    ),
+    Rule(
+        ("sequence_parallel", "autotp"),
+        lambda j: on(j, "sequence_parallel", "autotp"),
+        lambda j: f"{_sp(j)} does not combine with tensor parallelism: choose tp=none, {SP_OFF}",
+        NotYet("a sequence x tensor layout for Ulysses and AutoTP"),
+        pair=True,
+    ),
+    Rule(
+        ("sequence_parallel", "eval.tasks"),
+        lambda j: on(j, "sequence_parallel") and bool(_c(j).eval.tasks),
+        lambda j: (
+            f"{_sp(j)}: eval.tasks runs lm-eval on whole sequences, which a sequence-parallel model cannot take: "
+            "run scripts/evaluate.py on a checkpoint instead (drop eval.tasks), " + SP_OFF
+        ),
+        NotYet("lm-eval on a sequence-parallel model"),
+    ),
+    Rule(
+        ("sequence_parallel", "compile"),
+        lambda j: on(j, "sequence_parallel", "compile"),
+        lambda j: f"{_sp(j)} is not tested with trainer.compile=true: set it to false, {SP_OFF}",
+        NotYet("Ulysses' all-to-all inside a compiled block"),
+        pair=True,
+    ),
+    Rule(
+        ("sequence_parallel", "zero3"),
+        lambda j: on(j, "sequence_parallel") and _c(j).zero.stage == 3 and _c(j).zero.reduce_scatter is True,
+        lambda j: (
+            f"{_sp(j)} with zero=stage3 reduces gradients without zero.reduce_scatter (DeepSpeed's reduce-scatter "
+            f"divides the sequence-parallel gradients by {_c(j).sequence_parallel.size}): drop zero.reduce_scatter=true"
+        ),
+        Upstream(DS, "stage3.py's reduce-scatter averages over every rank, where sequence-parallel gradients sum"),
+    ),
+    Rule(
+        ("sequence_parallel", "zero3"),
+        lambda j: on(j, "sequence_parallel") and _c(j).zero.stage == 3 and _c(j).zero.contiguous_gradients is False,
+        lambda j: (
+            f"{_sp(j)} with zero=stage3 needs zero.contiguous_gradients (DeepSpeed's reduce-scatter divides the "
+            f"sequence-parallel gradients by {_c(j).sequence_parallel.size}): drop zero.contiguous_gradients=false"
+        ),
+        Upstream(DS, "stage3.py's reduce-scatter averages over every rank, where sequence-parallel gradients sum"),
+    ),
+    Rule(
+        ("sequence_parallel", "zero3"),
+        lambda j: on(j, "sequence_parallel") and _c(j).zero.stage == 3 and _embedding(j) > _bucket(j),
+        lambda j: (
+            f"{_sp(j)} with zero=stage3: the embedding's "
+            f"{_embedding(j)} elements exceed zero.reduce_bucket_size={_bucket(j):.0f}, which sends it through "
+            "DeepSpeed's reduce-scatter (gradients "
+            "divided by the group size): raise zero.reduce_bucket_size"
+        ),
+        Upstream(DS, "stage3.py sends a gradient larger than reduce_bucket_size through its reduce-scatter"),
+    ),
+    # --- mixture of experts (DeepSpeed-MoE)
+    Rule(
+        ("moe", "fsdp2"),
+        lambda j: on(j, "moe", "fsdp2"),
+        lambda j: (
+            f"model.family=mixtral runs on DeepSpeed-MoE: choose engine=deepspeed (engine={_c(j).engine.name} "
+            "has no expert parallelism here)"
+        ),
+        NotYet("expert parallelism on a torch mesh"),
+        pair=True,
+    ),
+    Rule(
+        ("moe", "zero3"),
+        lambda j: on(j, "moe", "zero3"),
+        lambda j: (
+            "model.family=mixtral with zero=stage3: DeepSpeed refuses its native MoE under ZeRO-3; choose "
+            "zero=stage1 or zero=stage2 (optimizer states, gradients partitioned)"
+        ),
+        Upstream(DS, "runtime/engine.py asserts that MoE layers are not used with ZeRO-3"),
+        pair=True,
+    ),
+    Rule(
+        ("moe", "zero"),
+        lambda j: on(j, "moe") and _c(j).zero.stage == 0 and _c(j).expert_parallel.size > 1,
+        lambda j: (
+            f"expert_parallel.size={_c(j).expert_parallel.size} with zero=stage0: DeepSpeed's ZeRO-0 clips with a "
+            "gradient norm that leaves out the other ranks' experts (its ZeRO-1/2 norm counts them); choose "
+            "zero=stage1 or "
+            "zero=stage2, or expert_parallel.size=1"
+        ),
+        Upstream(DS, "ZeRO-0's clip_grad_norm_ reduces the expert norm over the data-parallel group only"),
+    ),
+    Rule(
+        ("moe", "ds_pipeline"),
+        lambda j: on(j, "moe", "ds_pipeline"),
+        lambda j: (
+            f"model.family=mixtral with pipeline={_c(j).pipeline.schedule}: DeepSpeed-MoE layers are not split "
+            "into pipeline stages here; choose pipeline=none"
+        ),
+        NotYet("MoE layers as pipeline stages"),
+        pair=True,
+    ),
+    Rule(
+        ("moe", "torch_pipeline"),
+        lambda j: on(j, "moe", "torch_pipeline"),
+        lambda j: (
+            f"model.family=mixtral with pipeline={_c(j).pipeline.schedule}: DeepSpeed-MoE layers are not split "
+            "into pipeline stages here; choose pipeline=none"
+        ),
+        NotYet("MoE layers as pipeline stages"),
+        pair=True,
+    ),
+    Rule(
+        ("moe", "autotp"),
+        lambda j: on(j, "moe", "autotp"),
+        lambda j: (
+            "model.family=mixtral with tp=auto: AutoTP does not split DeepSpeed-MoE experts; choose tp=none "
+            "(expert_parallel.size splits the experts)"
+        ),
+        Upstream(DS, "AutoTP's module inspection does not split deepspeed.moe.layer.MoE's experts"),
+        pair=True,
+    ),
+    Rule(
+        ("moe", "sequence_parallel"),
+        lambda j: on(j, "moe", "sequence_parallel"),
+        lambda j: (
+            f"model.family=mixtral with {_sp(j)}: not supported for mixture-of-experts models yet; set "
+            "sequence_parallel.size=1"
+        ),
+        NotYet("the load-balancing loss summed over a sequence-parallel group"),
+        pair=True,
+    ),
+    Rule(
+        ("moe", "tiled_loss"),
+        lambda j: on(j, "moe", "tiled_loss"),
+        lambda j: (
+            f"model.family=mixtral with {_tiles(j)}: the tiled loss does not carry the experts' load-balancing "
+            "loss; set trainer.loss_tiles=1"
+        ),
+        NotYet("the load-balancing loss added to the tiled loss"),
+        pair=True,
+    ),
+    Rule(
+        ("moe", "muon"),
+        lambda j: on(j, "moe", "muon"),
+        lambda j: (
+            "model.family=mixtral with optimizer=muon: Muon is not verified with DeepSpeed-MoE's expert parameter "
+            "groups; choose optimizer=adamw"
+        ),
+        NotYet("Muon over DeepSpeed-MoE's expert parameter groups"),
+        pair=True,
+    ),
+    # --- tensor parallelism (AutoTP), pipelines, compile
+    Rule(
+        ("autotp", "ds_pipeline"),
+        lambda j: on(j, "autotp", "ds_pipeline"),
+        lambda j: "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none",
+        NotYet("AutoTP groups inside pipeline stages"),
+        pair=True,
+    ),
+    Rule(
+        ("autotp", "torch_pipeline"),
+        lambda j: on(j, "autotp", "torch_pipeline"),
+        lambda j: "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none",
+        NotYet("AutoTP groups inside pipeline stages"),
+        pair=True,
+    ),
+    Rule(
+        ("compile", "ds_pipeline"),
+        lambda j: on(j, "compile", "ds_pipeline"),
+        lambda j: (
+            f"trainer.compile=true is not supported with pipeline={_c(j).pipeline.schedule}: set trainer.compile=false"
+        ),
+        NotYet("compiled pipeline stages"),
+        pair=True,
+    ),
+    Rule(
+        ("compile", "torch_pipeline"),
+        lambda j: on(j, "compile", "torch_pipeline"),
+        lambda j: (
+            f"trainer.compile=true is not supported with pipeline={_c(j).pipeline.schedule}: set trainer.compile=false"
+        ),
+        NotYet("compiled pipeline stages"),
+        pair=True,
+    ),
+    # --- checked on the final DeepSpeed dict (a user's JSON may set the stage, the optimizer)
+    Rule(
+        ("ds_pipeline", "zero3"),
+        lambda j: on(j, "ds_pipeline") and j.stage > 1,
+        lambda j: (
+            f"the DeepSpeed pipeline (pipeline={_c(j).pipeline.schedule}) supports ZeRO stage 0 or 1, not "
+            f"{j.stage}: {j.fix('zero_optimization.stage', '') or 'set zero=stage0 or stage1'}"
+        ),
+        Upstream(DS, "runtime/pipe/engine.py asserts ZeRO stage < 2"),
+        final=True,
+    ),
+    Rule(
+        ("torch_pipeline", "deepspeed_config"),
+        lambda j: on(j, "torch_pipeline") and _c(j).deepspeed_config is not None,
+        lambda j: (
+            f"{_torch_pipe(j)} is not a DeepSpeed engine: deepspeed_config does not apply to it; use "
+            "pipeline=1f1b, or leave deepspeed_config out"
+        ),
+        Upstream(TORCH, "torch.distributed.pipelining reads no DeepSpeed JSON"),
+        final=True,
+    ),
+    Rule(
+        ("torch_pipeline", "zero3"),
+        lambda j: on(j, "torch_pipeline") and j.stage != 0,
+        lambda j: (
+            f"{_torch_pipe(j)} supports ZeRO stage 0 only, not {j.stage}: set zero=stage0, or pipeline=1f1b for "
+            "DeepSpeed's pipeline with ZeRO-1"
+        ),
+        NotYet("pipeline stages sharded over their data-parallel ranks"),
+        final=True,
+    ),
+    Rule(
+        ("torch_pipeline", "offload"),
+        lambda j: (
+            on(j, "torch_pipeline")
+            and j.ds is not None
+            and j.ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+        ),
+        lambda j: f"{_torch_pipe(j)} does not offload: set offload=none, or pipeline=1f1b",
+        NotYet("offloaded pipeline stages"),
+        pair=True,
+        final=True,
+    ),
+    Rule(
+        ("torch_pipeline", "fp16"),
+        lambda j: on(j, "torch_pipeline") and j.ds is not None and j.ds.get("fp16", {}).get("enabled") in (True, 1),
+        lambda j: f"{_torch_pipe(j)} runs fp32 or bf16: set precision=bf16, or pipeline=1f1b for fp16",
+        NotYet("a gradient scaler across pipeline stages"),
+        final=True,
+    ),
+    # --- Muon (DeepSpeed's, lmrepo's role split)
+    Rule(
+        ("muon", "ds_pipeline"),
+        lambda j: _is_muon(j) and on(j, "ds_pipeline"),
+        lambda j: (
+            "optimizer=muon runs on DeepSpeed's engine without a pipeline (each stage would need its own "
+            f"Muon/AdamW split and checkpoint layout, not offered yet): choose pipeline=none, {MUON_OTHER}"
+        ),
+        NotYet("a Muon/AdamW split per pipeline stage"),
+        pair=True,
+        final=True,
+    ),
+    Rule(
+        ("muon", "torch_pipeline"),
+        lambda j: _is_muon(j) and on(j, "torch_pipeline"),
+        lambda j: (
+            "optimizer=muon runs on DeepSpeed's engine without a pipeline (each stage would need its own "
+            f"Muon/AdamW split and checkpoint layout, not offered yet): choose pipeline=none, {MUON_OTHER}"
+        ),
+        NotYet("a Muon/AdamW split per pipeline stage"),
+        pair=True,
+        final=True,
+    ),
+    Rule(
+        ("muon", "autotp"),
+        lambda j: _is_muon(j) and j.ds.get("tensor_parallel", {}).get("autotp_size", 1) > 1,
+        lambda j: (
+            "optimizer=muon with tp=auto would orthogonalise each rank's shard of a matrix, not the matrix: "
+            f"choose tp=none, {MUON_OTHER}"
+        ),
+        NotYet("gathering each tensor-parallel matrix for the orthogonalisation"),
+        pair=True,
+        final=True,
+    ),
+    Rule(
+        ("muon", "zero"),
+        lambda j: _is_muon(j) and j.stage != 0 and bool(j.ds.get("gradient_clipping")),
+        lambda j: (
+            f"optimizer=muon with ZeRO stage {j.stage}: DeepSpeed's ZeRO clips Muon's orthogonalised update "
+            "there, not the gradient, so trainer.grad_clip would not mean what it means at stage 0: "
+            f"{j.fix('gradient_clipping', 'set trainer.grad_clip=0, or zero=stage0')}"
+        ),
+        Upstream(DS, "ZeRO's Muon writes the orthogonalised update into the gradient before clipping"),
+        final=True,
+    ),
+    Rule(
+        ("muon", "zero3"),
+        lambda j: _is_muon(j) and j.stage == 3 and j.ds["zero_optimization"].get("reduce_scatter", True),
+        lambda j: (
+            "DeepSpeed's Muon under ZeRO-3 needs whole gradients (no reduce-scatter): "
+            f"{j.fix('zero_optimization.reduce_scatter', 'set zero.reduce_scatter=false, or leave it null')}"
+        ),
+        Upstream(DS, "stage3.py's Muon orthogonalises the gradient partition a reduce-scatter leaves"),
+        final=True,
+    ),
+    Rule(
+        ("muon", "schedule"),
+        lambda j: _is_muon(j) and j.ds.get("scheduler", {}).get("type") in ("WarmupLR", "WarmupDecayLR"),
+        lambda j: (
+            f"{j.ds['scheduler']['type']} sets one absolute learning rate for every parameter group, and Muon's two "
+            "halves have their own (optimizer.lr, optimizer.adam_lr): "
+            f"{j.fix('scheduler', MUON_SCHEDULES)}"
+        ),
+        Upstream(DS, "WarmupLR and WarmupDecayLR write absolute rates into every parameter group"),
+        final=True,
+    ),
+]
+
+
+def _is_muon(job: Job) -> bool:
+    return job.ds is not None and str(job.ds.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
+def check(job: Job) -> None:
+    """The first row of the table that refuses this job, as its one line (ConfigError). Rows that
+    read the final DeepSpeed dict only when `job.ds` is given."""
+    for rule in RULES:
+        if rule.final and job.ds is None:
+            continue
+        if rule.refuses(job):
+            raise ConfigError(rule.message(job))
+
+
+def pair_rules() -> dict[frozenset, Rule]:
+    """The rows that refuse a whole pair of axes, by pair."""
+    return {frozenset(rule.techniques): rule for rule in RULES if rule.pair}

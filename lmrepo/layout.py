@@ -1,0 +1,139 @@
+"""The parallel layout of a job: how its ranks split into pipeline stages, data-parallel replicas
+and shards, sequence- and tensor-parallel groups, and expert-parallel groups. One object, made
+once when the job is planned (`lmrepo.plan`), from which every size, every rank's coordinates and
+every group of ranks comes: a torch `DeviceMesh` for the torch engines, the same ranks for
+DeepSpeed's groups. Modelled on torchtitan's `ParallelDims`.
+
+Rank order, outermost first (the last dimension varies fastest between consecutive ranks):
+
+    rank = (((pp * dp_replicate + r) * dp_shard + s) * sp + q) * tp + t
+
+- `pp`: pipeline stages, pipe-major as DeepSpeed's PipelineParallelGrid numbers them (stage s holds
+  ranks s*dp .. s*dp + dp - 1);
+- `dp_replicate` x `dp_shard`: the data-parallel ranks (they read different samples); a 1-D data
+  parallel layout has dp_replicate = 1 (ZeRO and FSDP shard over all of them);
+- `sp`, `tp`: sequence- and tensor-parallel groups of consecutive ranks, each group reading the
+  same samples (DeepSpeed's Ulysses and AutoTP groups);
+- `ep`: expert parallelism splits each mixture-of-experts layer's experts over groups of `ep`
+  consecutive data-parallel ranks (DeepSpeed-MoE's expert groups); it does not change who reads
+  which samples.
+"""
+
+import math
+from dataclasses import dataclass
+
+from lmrepo.errors import require
+
+DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    sp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        sizes = " x ".join(f"{name} {getattr(self, name)}" for name in DIMENSIONS)
+        require(
+            math.prod(self.sizes.values()) == self.world,
+            f"the parallel layout ({sizes}) does not tile the {self.world} rank(s)",
+        )
+        require(
+            self.dp % self.ep == 0, f"expert_parallel.size={self.ep} does not divide the {self.dp} data-parallel ranks"
+        )
+
+    @classmethod
+    def of(cls, config, world: int) -> "ParallelLayout":
+        """The layout a loaded config asks for on `world` ranks, each rule of the rank layout one
+        line naming what to change. world = pipeline stages x data-parallel ranks x sequence-
+        parallel size x tensor-parallel size."""
+        pp = config.pipeline.stages if config.pipeline.schedule != "none" else 1
+        require(
+            world % config.pipeline.stages == 0,
+            f"pipeline.stages={config.pipeline.stages} does not divide the world size "
+            f"{world}: change pipeline.stages or the rank count",
+        )
+        ranks = world // pp
+        tp = config.tp.size if str(config.tp.mode) == "auto" else 1
+        _groups_divide(ranks, "tp.size", tp, "rank(s) (world = tp.size x data-parallel ranks)")
+        ranks //= tp
+        sp = config.sequence_parallel.size
+        _groups_divide(
+            ranks, "sequence_parallel.size", sp, "rank(s) (world = sequence_parallel.size x data-parallel ranks)"
+        )
+        ranks //= sp
+        ep = config.expert_parallel.size
+        _groups_divide(
+            ranks,
+            "expert_parallel.size",
+            ep,
+            "data-parallel rank(s) (each group of expert_parallel.size ranks holds every expert once)",
+        )
+        return cls(world=world, pp=pp, dp_shard=ranks, sp=sp, tp=tp, ep=ep)
+
+    @classmethod
+    def single(cls) -> "ParallelLayout":
+        return cls(world=1)
+
+    # --- sizes
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIMENSIONS}
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: how many ranks read different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    # --- one rank's place
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension."""
+        found = {}
+        for name in reversed(DIMENSIONS):
+            rank, found[name] = divmod(rank, getattr(self, name))
+        return {name: found[name] for name in DIMENSIONS}
+
+    def dp_rank(self, rank: int) -> int:
+        """Which of the dp data-parallel positions this rank reads the samples of."""
+        at = self.coordinates(rank)
+        return at["dp_replicate"] * self.dp_shard + at["dp_shard"]
+
+    def stage(self, rank: int) -> int:
+        return self.coordinates(rank)["pp"]
+
+    def group(self, rank: int, dimensions: tuple[str, ...]) -> list[int]:
+        """The ranks that differ from `rank` only along `dimensions` (its group of them), in order."""
+        at = self.coordinates(rank)
+        members = []
+        for other in range(self.world):
+            there = self.coordinates(other)
+            if all(there[name] == at[name] for name in DIMENSIONS if name not in dimensions):
+                members.append(other)
+        return members
+
+    # --- groups
+
+    def mesh(self, device_type: str):
+        """The job's torch DeviceMesh, one named dimension per entry of DIMENSIONS (sizes of 1
+        included, so every engine names the same dimensions), over the default process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=DIMENSIONS)
+
+    def describe(self) -> str:
+        parts = [f"{name} {size}" for name, size in self.sizes.items() if size > 1]
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
+        return " x ".join(parts) or "1 rank"
+
+
+def _groups_divide(ranks: int, key: str, size: int, which: str) -> None:
+    """Groups of `size` ranks (tensor, sequence or expert parallel) must tile the `ranks`."""
+    require(ranks % size == 0, f"{key}={size} does not divide the {ranks} {which}: change {key} or the rank count")
