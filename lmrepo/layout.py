@@ -67,6 +67,8 @@ class ParallelLayout:
             ranks, "sequence_parallel.size", sp, "rank(s) (world = sequence_parallel.size x data-parallel ranks)"
         )
         ranks //= sp
+        replicate = config.engine.replicate
+        _groups_divide(ranks, "engine.replicate", replicate, "data-parallel rank(s) (HSDP: replicas x shards)")
         ep = config.expert_parallel.size
         _groups_divide(
             ranks,
@@ -74,7 +76,7 @@ class ParallelLayout:
             ep,
             "data-parallel rank(s) (each group of expert_parallel.size ranks holds every expert once)",
         )
-        return cls(world=world, pp=pp, dp_shard=ranks, sp=sp, tp=tp, ep=ep)
+        return cls(world=world, pp=pp, dp_replicate=replicate, dp_shard=ranks // replicate, sp=sp, tp=tp, ep=ep)
 
     @classmethod
     def single(cls) -> "ParallelLayout":

@@ -11,7 +11,7 @@ from lmrepo.config import TrainConfig, compile_by_default, layout_check, load
 from lmrepo.device import Device, choose_precision, detect_device
 from lmrepo.ds_config import build_ds_config, prefer_torch_adam_on_cpu
 from lmrepo.layout import ParallelLayout
-from lmrepo.preflight import check_deepspeed, check_tensor_parallel
+from lmrepo.preflight import check_deepspeed
 from lmrepo.user_config import UserConfig, lay_over
 
 
@@ -32,10 +32,9 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     config = load(cfg)
     device = device or detect_device(config.trainer.device)
     config.precision.dtype, precision_line = choose_precision(config.precision.dtype, device)
-    check_tensor_parallel(config.tp, config.model)
     layout = layout_check(config, world_size)
     dp_size = layout.dp
-    config.eval.check(config.model.family, config.pipeline.schedule, dp_size)
+    config.eval.check(dp_size)
     ds_config, user_changed, user = build_ds_config(config, dp_size), [], None
     notes = [precision_line] if precision_line else []
     if config.trainer.compile is None:

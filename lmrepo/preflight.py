@@ -4,7 +4,7 @@ DeepSpeed dict (lmrepo's, with a user's JSON laid over it) against this machine 
 import os
 from pathlib import Path
 
-from lmrepo.config import CheckpointingConfig, ModelConfig, TPConfig, TPMode, TrainConfig, rules
+from lmrepo.config import CheckpointingConfig, TrainConfig, rules
 from lmrepo.device import Device
 from lmrepo.errors import ConfigError, require
 from lmrepo.user_config import UserConfig, enabled
@@ -92,20 +92,4 @@ def check_libaio() -> None:
     require(
         AsyncIOBuilder().is_compatible(verbose=False),
         "offload=nvme needs libaio: install it (apt-get install libaio-dev) or use offload=cpu",
-    )
-
-
-def check_tensor_parallel(tp: TPConfig, model_cfg: ModelConfig) -> None:
-    """tp=auto: DeepSpeed's AutoTP is asked up front, on a meta-device model, whether it can shard it."""
-    if tp.mode != TPMode.auto:
-        return
-    from lmrepo.estimate import meta_model
-    from lmrepo.tp import autotp_refusal
-
-    model = meta_model(model_cfg)
-    refusal = autotp_refusal(model)
-    require(
-        refusal is None,
-        f'tp=auto: DeepSpeed\'s AutoTP refuses {type(model).__name__} ("{refusal}"): '
-        "use tp=none (ZeRO shards its states instead) or a model=llama-* preset",
     )

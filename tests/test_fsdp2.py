@@ -226,3 +226,26 @@ def test_generate_runs_on_an_fsdp2_run(launch2, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["prompt"] == "ROMEO:" and isinstance(result["text"], str)
+
+
+@pytest.mark.distributed
+def test_hsdp_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(tmp_path):
+    """engine.replicate=2 on 4 ranks: 2 replicas, each sharding the model over 2 ranks (FSDP2 on a
+    replicate x shard mesh), trains as FSDP2 sharding over all 4 (the same global batch): fp32
+    losses and gradient norms of 3 AdamW steps within the rounding of another reduction order
+    (tests/test_composition.py's FP32 tolerances: the reasons are there)."""
+    import composition
+    from test_composition import FP32, close
+
+    fsdp2 = composition.overrides("fsdp2")
+    cases = [fsdp2, [*fsdp2, "engine.replicate=2"]]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    probe = [str(REPO / "tests" / "composition_probe.py"), str(tmp_path / "out.json"), str(tmp_path / "cases.json")]
+    proc = subprocess.run([*launcher(4), *probe], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    sharded, hsdp = (results[composition.case_name(words)] for words in cases)
+    assert "losses" in hsdp, hsdp
+    for step, (ours, theirs) in enumerate(zip(hsdp["losses"], sharded["losses"])):
+        assert close(ours, theirs, FP32["loss"]), (step, hsdp, sharded)
+    assert close(hsdp["grad_norms"][0], sharded["grad_norms"][0], FP32["first_norm"]), (hsdp, sharded)

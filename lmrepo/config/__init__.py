@@ -135,6 +135,7 @@ def load(cfg: DictConfig) -> TrainConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(describe_omegaconf_error(err)) from None
     for part in (
+        config.engine,
         config.model,
         config.data,
         config.optimizer,

@@ -19,7 +19,7 @@ class EvalConfig:
     batch_size: int = 8
     """requests per forward pass (every rank runs the same number of forwards: ZeRO-3 needs it)"""
 
-    def check(self, family: str, pipeline: str, dp_size: int) -> None:
+    def check(self, dp_size: int) -> None:
         require(self.every >= 0, f"eval.every={self.every} must be >= 0 (0 = only at the end)")
         require(self.batch_size >= 1, f"eval.batch_size={self.batch_size} must be >= 1")
         require(
@@ -27,16 +27,6 @@ class EvalConfig:
         )
         if not self.tasks:
             return
-        require(
-            family != "bert",
-            "eval.tasks: lm-eval scores causal language models; BERT (a masked LM) is not "
-            "supported: leave eval.tasks empty",
-        )
-        require(
-            pipeline == "none",
-            f"eval.tasks with pipeline={pipeline}: no stage holds the whole model to score "
-            "with; evaluate a checkpoint after training (python scripts/evaluate.py run=RUN)",
-        )
         # the harness deals documents round-robin: a rank without one would skip the forwards the others wait on
         require(
             self.limit is None or self.limit >= dp_size,

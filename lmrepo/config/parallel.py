@@ -20,6 +20,11 @@ class EngineConfig:
 
     name: EngineName = EngineName.deepspeed
     """deepspeed (ZeRO 0-3, offload, pipelines, AutoTP) | fsdp2 (PyTorch FSDP2: fully_shard per block)"""
+    replicate: int = 1
+    """fsdp2: HSDP, the data-parallel ranks as this many replicas, each sharding the model over the rest"""
+
+    def check(self) -> None:
+        require(self.replicate >= 1, f"engine.replicate={self.replicate} must be >= 1 (1 = shard over every rank)")
 
 
 @dataclass

@@ -246,6 +246,15 @@ RULES: list[Rule] = [
         ),
         Upstream(DS, "ZeRO-R's options belong to deepspeed.checkpointing"),
     ),
+    Rule(
+        ("hsdp", "deepspeed"),
+        lambda j: _c(j).engine.replicate > 1 and _c(j).engine.name != "fsdp2",
+        lambda j: (
+            f"engine.replicate={_c(j).engine.replicate} replicates FSDP2's shards (HSDP): choose engine=fsdp2, "
+            "or set engine.replicate=1 (DeepSpeed's ZeRO shards over every data-parallel rank)"
+        ),
+        NotYet("DeepSpeed's hierarchical partitioning (ZeRO++ hpZ) as a layout"),
+    ),
     # --- document masking, the tiled loss
     Rule(
         ("document_masking", "bert"),
@@ -284,6 +293,12 @@ RULES: list[Rule] = [
         pair=True,
     ),
     # --- sequence parallelism (Ulysses)
+    Rule(
+        ("sequence_parallel", "bert"),
+        lambda j: on(j, "sequence_parallel") and _c(j).model.family == "bert",
+        lambda j: f"{_sp(j)} splits causal models (GPT-2, Llama), not model.family=bert (bidirectional): {SP_OFF}",
+        NotYet("the sliced sequence and loss of a bidirectional masked LM"),
+    ),
     Rule(
         ("sequence_parallel", "fsdp2"),
         lambda j: on(j, "sequence_parallel", "fsdp2"),
@@ -482,7 +497,36 @@ RULES: list[Rule] = [
         NotYet("compiled pipeline stages"),
         pair=True,
     ),
+    # --- in-loop downstream evaluation (eval.tasks)
+    Rule(
+        ("eval.tasks", "bert"),
+        lambda j: bool(_c(j).eval.tasks) and _c(j).model.family == "bert",
+        lambda j: (
+            "eval.tasks: lm-eval scores causal language models; BERT (a masked LM) is not supported: leave "
+            "eval.tasks empty"
+        ),
+        Upstream("lm-evaluation-harness 0.4.13", "its loglikelihood requests score causal continuations"),
+    ),
+    Rule(
+        ("eval.tasks", "pipeline"),
+        lambda j: bool(_c(j).eval.tasks) and _c(j).pipeline.schedule != "none",
+        lambda j: (
+            f"eval.tasks with pipeline={_c(j).pipeline.schedule}: no stage holds the whole model to score "
+            "with; evaluate a checkpoint after training (python scripts/evaluate.py run=RUN)"
+        ),
+        NotYet("lm-eval requests run through the pipeline's stages"),
+    ),
     # --- checked on the final DeepSpeed dict (a user's JSON may set the stage, the optimizer)
+    Rule(
+        ("autotp", "model family"),
+        lambda j: on(j, "autotp") and _autotp_refusal(j) is not None,
+        lambda j: (
+            f'tp=auto: DeepSpeed\'s AutoTP refuses {_autotp_refusal(j)[0]} ("{_autotp_refusal(j)[1]}"): use '
+            "tp=none (ZeRO shards its states instead) or a model=llama-* preset"
+        ),
+        Upstream(DS, "module_inject/auto_tp.py refuses a model that has a kernel-injection policy (GPT-2, BERT)"),
+        final=True,
+    ),
     Rule(
         ("ds_pipeline", "zero3"),
         lambda j: on(j, "ds_pipeline") and j.stage > 1,
@@ -491,6 +535,7 @@ RULES: list[Rule] = [
             f"{j.stage}: {j.fix('zero_optimization.stage', '') or 'set zero=stage0 or stage1'}"
         ),
         Upstream(DS, "runtime/pipe/engine.py asserts ZeRO stage < 2"),
+        pair=True,
         final=True,
     ),
     Rule(
@@ -511,6 +556,7 @@ RULES: list[Rule] = [
             "DeepSpeed's pipeline with ZeRO-1"
         ),
         NotYet("pipeline stages sharded over their data-parallel ranks"),
+        pair=True,
         final=True,
     ),
     Rule(
@@ -599,6 +645,19 @@ RULES: list[Rule] = [
         final=True,
     ),
 ]
+
+
+def _autotp_refusal(job: Job) -> tuple[str, str] | None:
+    """(the model class, AutoTP's words) when DeepSpeed's AutoTP refuses to shard this model, asked
+    up front on a meta-device model; None when it shards it."""
+    if not hasattr(job, "_autotp"):
+        from lmrepo.estimate import meta_model
+        from lmrepo.tp import autotp_refusal
+
+        model = meta_model(_c(job).model)
+        refusal = autotp_refusal(model)
+        job._autotp = None if refusal is None else (type(model).__name__, refusal)
+    return job._autotp
 
 
 def _is_muon(job: Job) -> bool:

@@ -1,7 +1,7 @@
 """What the loop, checkpointing and evaluation ask of a training engine. DeepSpeed's engine
-(engines/deepspeed.py), DeepSpeed's pipeline engine (engines/deepspeed_pipeline.py) and the
-torch.distributed.pipelining engine (engines/torch_pipeline.py) each implement it; another
-engine (FSDP2, ...) is one more module that does."""
+(engines/deepspeed.py), DeepSpeed's pipeline engine (engines/deepspeed_pipeline.py), PyTorch
+FSDP2 (engines/fsdp2.py) and the torch.distributed.pipelining engine (engines/torch_pipeline.py)
+each implement it, each built by its module's `build(config, layout, ds_config)`."""
 
 from pathlib import Path
 from typing import Protocol

@@ -67,7 +67,10 @@ class FSDP2Engine:
     ):
         self.device = device
         self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
-        mesh = layout.mesh(device.type)["dp_shard"]  # FSDP shards over the data-parallel ranks
+        # FSDP shards over the data-parallel ranks; with replicas (HSDP) over the ranks of one replica,
+        # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard)
+        mesh = layout.mesh(device.type)
+        mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         policy = {
             "mesh": mesh,
             "reshard_after_forward": reshard_after_forward,

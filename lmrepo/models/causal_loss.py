@@ -47,13 +47,17 @@ def loss_sum(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, 
 def install(model, tiles: int) -> None:
     """Replaces `model.forward` (a transformers causal LM) with one that computes lmrepo's loss:
     the same weights and parameter names, so checkpoints and export are unchanged."""
-    original, base, head = model.forward, model.base_model, model.get_output_embeddings()
+    original = model.forward
 
     def forward(input_ids=None, labels=None, shift_labels=None, scored_tokens=None, position_ids=None, **kwargs):
         if labels is None and shift_labels is None:
             return original(input_ids=input_ids, position_ids=position_ids, **kwargs)
         if shift_labels is None:
             shift_labels = shifted(labels)
+        # The head looked up at each call: an engine may have replaced it since (DeepSpeed's AutoTP
+        # swaps the LM head for a tensor-parallel layer that gathers the vocabulary, and the old
+        # module keeps only this rank's rows of the weight)
+        base, head = model.base_model, model.get_output_embeddings()
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
         if scored_tokens is None:
             scored_tokens = (shift_labels != IGNORE).sum()

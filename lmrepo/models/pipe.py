@@ -8,9 +8,9 @@ output embeddings are one tied layer ("embed"): DeepSpeed keeps a copy on the fi
 last stage and all-reduces their gradients (TiedLayerSpec).
 
 Every layer takes and returns one tensor, the pipeline sends it from stage to stage; except that
-GPT-2's layers up to its final norm take and return (tensor, position_ids) when the batch keeps
-its documents apart (data.cross_document_attention=false): each block then builds transformers'
-per-document mask from the restarting position ids, as GPT2Model does.
+GPT-2's and Llama's layers up to the final norm take and return (tensor, position_ids) when the
+batch keeps its documents apart (data.cross_document_attention=false): each block then builds
+transformers' per-document mask from the restarting position ids, as GPT2Model and LlamaModel do.
 """
 
 import torch
@@ -97,8 +97,10 @@ class LlamaEmbeddingPipe(nn.Module):
         super().__init__()
         self.embed_tokens = model.embed_tokens
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+    def forward(self, inputs):
+        input_ids, positions = with_positions(inputs)
+        hidden = self.embed_tokens(input_ids)
+        return (hidden, positions) if positions is not None else hidden
 
 
 def llama_logits(embedding: LlamaEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -115,12 +117,17 @@ class LlamaLayerPipe(nn.Module):
         super().__init__()
         self.layer, self.rotary_emb, self.config = layer, rotary_emb, config
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    def forward(self, inputs):
+        hidden, positions = with_positions(inputs)
+        given = positions is not None
+        if not given:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # restarting position ids (packed documents kept apart) give a per-document causal mask and
+        # per-document rotary angles, as LlamaModel makes them
         mask = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
         )
-        return self.layer(
+        out = self.layer(
             hidden,
             attention_mask=mask,
             position_ids=positions,
@@ -128,6 +135,7 @@ class LlamaLayerPipe(nn.Module):
             use_cache=False,
             position_embeddings=self.rotary_emb(hidden, position_ids=positions),
         )
+        return (out, positions) if given else out
 
 
 def llama_layers(net) -> list:

@@ -1,0 +1,132 @@
+"""The pairs of techniques the suite runs together, and what each pair is compared with.
+
+Every pair of the composition matrix's axes (lmrepo.config.rules.AXES) that the rules table
+allows is one case of tests/test_composition.py: a tiny Llama (or a Mixtral of the same shape for
+the MoE axis) on 2 CPU ranks, fp32 unless the pair has bf16, a few AdamW steps with clipping
+active, against a reference run of the same job without one of the two techniques, by what that
+technique claims:
+
+- EQUAL: the technique computes the same training as the run without it (parallelisms, memory
+  techniques, compile, the tiled loss): losses and gradient norms of every step agree within
+  fp32 rounding of another reduction order.
+- muon: another optimizer, the same model: its first step's loss and gradient norm are AdamW's
+  (the step before any update).
+- bf16: the same training in another precision: against the fp32 run of the same pair, within
+  the gap bf16 rounding makes (BF16 below).
+- moe (expert parallelism) and document masking change the model or the loss: never dropped;
+  moe + document masking compares expert_parallel.size=2 with 1 (expert parallelism claims
+  equality).
+
+scripts/composition_matrix.py makes docs/reference/composition.md from this module, the axes and
+the rules table.
+"""
+
+import itertools
+
+from lmrepo.config.rules import AXES, EXCLUSIVE
+
+# A tiny Llama that every axis runs on: 4 heads and 2 key/value heads (tensor and sequence
+# parallelism split both by 2), 2 layers (a 2-stage pipeline holds one each), the same global
+# batch of 4 sequences in every layout (2 data-parallel ranks x 2, or one replica of 2 micro
+# batches: a pipeline needs one per stage), the full learning rate from the first step (the
+# second and third losses follow the first two updates), clipping active (norms ~3x the clip).
+BASE = [
+    "model=llama-tiny",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.n_embd=64",
+    "model.n_inner=176",
+    "data.block_size=32",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=4",
+    "trainer.grad_accum=null",
+    "trainer.max_steps=3",
+    "schedule=constant",
+    "schedule.warmup_steps=0",
+    "optimizer.lr=3e-3",
+    "trainer.grad_clip=0.5",
+    "precision=fp32",
+    "trainer.compile=false",
+]
+STEPS = 3
+
+# Each axis's overrides in a pair (lmrepo's AXES say how to turn it on; a pair needs a few more
+# words where two axes meet: the ZeRO stage offload and MoE need, Muon's clipping under ZeRO).
+OVERRIDES = {
+    "fsdp2": ["engine=fsdp2", "zero=stage3"],
+    "zero3": ["zero=stage3"],
+    "offload": ["offload=cpu", "zero=stage2"],
+    "ds_pipeline": ["pipeline=1f1b", "pipeline.stages=2"],
+    "torch_pipeline": ["pipeline=gpipe", "pipeline.stages=2"],
+    "autotp": ["tp=auto", "tp.size=2"],
+    "sequence_parallel": ["sequence_parallel.size=2"],
+    "moe": ["model=mixtral-tiny", "model.moe.experts=4", "expert_parallel.size=2", "zero=stage1"],
+    # Muon's two halves have their own rates, which DeepSpeed's WarmupLR would overwrite: wsd without decay is constant
+    "muon": ["optimizer=muon", "schedule=wsd", "schedule.decay_fraction=0"],
+    "tiled_loss": ["trainer.loss_tiles=2"],
+    "document_masking": ["data.cross_document_attention=false"],
+    "compile": ["trainer.compile=true"],
+    "activation_checkpointing": ["checkpointing=full"],
+    "bf16": ["precision=bf16"],
+}
+EQUAL = {
+    "fsdp2",
+    "zero3",
+    "offload",
+    "ds_pipeline",
+    "torch_pipeline",
+    "autotp",
+    "sequence_parallel",
+    "tiled_loss",
+    "compile",
+    "activation_checkpointing",
+}
+
+
+def overrides(*axes: str) -> list[str]:
+    """BASE with each axis turned on; the ZeRO stage is the highest any of them asks for (at most 1
+    with DeepSpeed's pipeline), and Muon
+    under ZeRO runs without clipping (DeepSpeed's ZeRO clips Muon's update, not the gradient:
+    refused with clipping on)."""
+    words = [w for axis in axes for w in OVERRIDES[axis]]
+    stages = [int(w.removeprefix("zero=stage")) for w in words if w.startswith("zero=stage")]
+    words = [w for w in words if not w.startswith("zero=stage")]
+    if stages:
+        stage = max(stages)
+        if "ds_pipeline" in axes:  # DeepSpeed's pipeline runs ZeRO-0 or 1 (offload: stage 1)
+            stage = min(stage, 1)
+        words.append(f"zero=stage{stage}")
+    if "muon" in axes and stages and max(stages) > 0:
+        words.append("trainer.grad_clip=0")
+    if "moe" in axes:  # the Mixtral of the base's shape: model=... resets the preset's sizes
+        words = [w for w in words if w != "model=mixtral-tiny"]
+        return ["model=mixtral-tiny", *[w for w in BASE if w != "model=llama-tiny"], *words]
+    return [*BASE, *words]
+
+
+def reference(a: str, b: str) -> tuple[list[str], str]:
+    """(the reference run's overrides, how the pair is compared with it: equal | step1 | bf16 | ep)."""
+    for dropped, kept in ((a, b), (b, a)):
+        if dropped in EQUAL:
+            return overrides(kept), "equal"
+    for dropped, kept in ((a, b), (b, a)):
+        if dropped == "muon":
+            return overrides(kept), "step1"
+    for dropped, kept in ((a, b), (b, a)):
+        if dropped == "bf16":
+            return overrides(kept), "bf16"
+    # moe + document masking: expert parallelism over 2 ranks against 1
+    return [*overrides(a, b), "expert_parallel.size=1"], "ep"
+
+
+def pairs() -> list[tuple[str, str]]:
+    return [(a, b) for a, b in itertools.combinations(AXES, 2) if frozenset((a, b)) not in EXCLUSIVE]
+
+
+def case_name(words: list[str]) -> str:
+    return " ".join(words)
+
+
+# Pairs whose comparison another test file makes (with the reason this module does not repeat it).
+ELSEWHERE: dict[frozenset, str] = {}

@@ -1,0 +1,114 @@
+"""Launched by tests/test_composition.py under torchrun: many training configurations, one after
+another, in one set of rank processes (the process group made once; each configuration gets a
+fresh plan, model, engine and optimizer). Per configuration, the mean loss over ranks and the
+gradient norm of each step, or the line that refused or broke it; rank 0 writes them as JSON.
+
+What one configuration leaves in the process is undone before the next: DeepSpeed's global
+groups (AutoTP's mesh, the expert groups), transformers' attention functions (sequence
+parallelism wraps SDPA), torch.compile's caches.
+
+Usage: composition_probe.py OUT_JSON CASES_JSON (a list of override lists)."""
+
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import set_seed
+
+from lmrepo.compose import compose_config
+from lmrepo.data.prepare import prepare_sources
+from lmrepo.engines import build_engine
+from lmrepo.errors import ConfigError
+from lmrepo.launch import init_distributed, world_size
+from lmrepo.plan import plan
+from lmrepo.run import engine_data
+from lmrepo.tokenizer import load_tokenizer
+
+DEEPSPEED_GROUPS = {  # deepspeed.utils.groups' module state, as import leaves it
+    "_EXPERT_PARALLEL_GROUP": dict,
+    "_EXPERT_PARALLEL_GROUP_RANKS": dict,
+    "_EXPERT_DATA_PARALLEL_GROUP": dict,
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS": dict,
+    "_ALL_TO_ALL_GROUP": dict,
+    "_WORLD_GROUP": lambda: None,
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP": lambda: None,
+    "mpu": lambda: None,
+    "mesh_device": lambda: None,
+    "_TENSOR_MODEL_PARALLEL_GROUP": lambda: None,
+    "_MODEL_PARALLEL_GROUP": lambda: None,
+    "_DATA_PARALLEL_GROUP": lambda: None,
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": lambda: None,
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": lambda: None,
+}
+
+
+def attention_functions() -> tuple[dict, dict]:
+    """transformers' attention functions: the library-wide mapping and the instance's overrides."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return dict(type(ALL_ATTENTION_FUNCTIONS)._global_mapping), dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+
+
+def reset_process_state(attention: tuple[dict, dict]) -> None:
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name, fresh in DEEPSPEED_GROUPS.items():
+        if hasattr(groups, name):
+            setattr(groups, name, fresh())
+    parallel_state_sp._SEQUENCE_PARALLEL_GROUP = parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
+    for mapping, saved in zip(
+        (type(ALL_ATTENTION_FUNCTIONS)._global_mapping, ALL_ATTENTION_FUNCTIONS._local_mapping), attention
+    ):
+        mapping.clear()
+        mapping.update(saved)
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def run(words: list[str], out: Path, tokenizer, sources) -> dict:
+    job = plan(compose_config(words, run_dir=out / "unused"), world_size())
+    set_seed(job.config.trainer.seed)
+    engine = build_engine(job)
+    data = engine_data(job.config, job.ds_config, engine, sources, tokenizer)
+    losses, norms = [], []
+    for step in range(job.config.trainer.max_steps):
+        loss = engine.train_step(data.train_step(step * data.layout.global_batch)).float().reshape(1)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / dist.get_world_size())
+        norms.append(engine.step_record().get("grad_norm"))
+    del engine, data
+    return {"losses": losses, "grad_norms": norms}
+
+
+def main(out_file: Path, cases_file: Path) -> None:
+    cases = json.loads(cases_file.read_text())
+    out = out_file.parent
+    init_distributed()
+    first = compose_config(cases[0], run_dir=out / "unused")
+    tokenizer = load_tokenizer(first.model.tokenizer, None)
+    sources = prepare_sources(plan(first, world_size()).config.data, tokenizer)
+    attention = attention_functions()
+    results = {}
+    for words in cases:
+        name = " ".join(words)
+        try:
+            results[name] = run(words, out, tokenizer, sources)
+        except ConfigError as err:
+            results[name] = {"refused": str(err)}
+        except Exception as err:  # noqa: BLE001 (one broken configuration must not hide the others' results)
+            results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        reset_process_state(attention)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            out_file.write_text(json.dumps(results, indent=1))  # as it goes: a hang still leaves the rest
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
