@@ -237,7 +237,7 @@ def test_hsdp_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(tmp_path):
     import composition
     from test_composition import FP32, close
 
-    fsdp2 = composition.overrides("fsdp2")
+    fsdp2 = [*composition.overrides("fsdp2"), "trainer.micro_batch_size=1"]  # the global batch of 4 over 4 ranks
     cases = [fsdp2, [*fsdp2, "engine.replicate=2"]]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     probe = [str(REPO / "tests" / "composition_probe.py"), str(tmp_path / "out.json"), str(tmp_path / "cases.json")]
