@@ -485,7 +485,7 @@ class Ruler:
             tokens_per_s = r["micro_batch"] * block / r["step_s"]
             ruler = self.results.get("R0" if "@" not in label else f"R0@{r['micro_batch']}")
             losses = r["losses"]
-            fixed = self.warmup + self.steps  # a logging step of every train.py arm
+            fixed = self.fixed_step()
             loss = losses.get(str(fixed)) if isinstance(losses, dict) else losses[fixed - 1]
             rows.append(
                 {
@@ -507,9 +507,14 @@ class Ruler:
             )
         return rows
 
+    def fixed_step(self) -> int:
+        """The step whose loss the table shows: the last logging step of the timed ones (every
+        train.py arm logs it)."""
+        return (self.warmup + self.steps) // self.log_every * self.log_every
+
     def report(self, report: Report) -> dict:
         rows = self.figures()
-        fixed = self.warmup + self.steps
+        fixed = self.fixed_step()
         device = "GPU" if self.cuda else "CPU"
         counter = "CUDA synchronisations" if self.cuda else "reads of tensor values"
         report.print(f"## Throughput against the hand-tuned loop R0 ({device})")
