@@ -145,7 +145,7 @@ class ModelConfig:
         the user believes has experts."""
         default = MoEConfig()
         changed = [
-            f"model.moe.{key}={str(value).lower() if isinstance(value, bool) else value}"
+            f"model.moe.{key}={json.dumps(value)}"  # as typed: true, 4, 0.1
             for key, value in vars(self.moe).items()
             if value != getattr(default, key)
         ]
