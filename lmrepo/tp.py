@@ -21,3 +21,24 @@ def autotp_refusal(model: torch.nn.Module) -> str | None:
     except AssertionError as err:
         return str(err)
     return None
+
+
+def count_every_shard_in_the_norm(ds_engine) -> None:
+    """Under AutoTP, the gradient norm DeepSpeed 0.19.8 clips by (and lmrepo logs) in bf16 or fp16
+    without ZeRO, through FP16_UnfusedOptimizer (torch's AdamW on a CPU, any optimizer but its
+    FusedAdam on a GPU), must count every rank's shards. Its step takes the norm of the gradients
+    (moe.utils.split_params_grads_into_shared_and_expert_params hands runtime.utils.get_weight_norm
+    `p.grad`, not `p`), and get_weight_norm tells a shard from a replicated tensor by the
+    `tensor_model_parallel` attribute AutoTP puts on the parameter: on a gradient it is missing, so
+    every tensor-parallel rank but the first left its shards out (llama-tiny on 2 ranks: 21% low).
+    Each shard's gradient carries the attribute too, set as autograd accumulates it (DeepSpeed's
+    fused optimizer, ZeRO and fp32 read the parameters' own and were right)."""
+    if ds_engine.autotp_size() <= 1 or type(ds_engine.optimizer).__name__ != "FP16_UnfusedOptimizer":
+        return
+    for param in ds_engine.module.parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            param.register_post_accumulate_grad_hook(_mark_shard_gradient)
+
+
+def _mark_shard_gradient(param: torch.nn.Parameter) -> None:
+    param.grad.tensor_model_parallel = True

@@ -96,6 +96,9 @@ CASES = [
     ("model=mixtral-tiny sequence_parallel.size=2", "sequence_parallel.size=2"),
     ("model=mixtral-tiny trainer.loss_tiles=2", "trainer.loss_tiles=2"),
     ("model=mixtral-tiny optimizer=muon", "optimizer=muon"),
+    # the moe keys on a dense family (it would train without experts)
+    ("model.moe.experts=4", "model.moe.experts=4 configures a mixture of experts, and model.family=gpt2 is dense"),
+    ("model=llama-tiny model.moe.aux_loss_coef=0.1", "choose model=mixtral-tiny"),
     # checkpointing
     ("checkpointing.every_n_layers=x", "checkpointing.every_n_layers=x"),
     ("checkpointing.impl=fast", "checkpointing.impl=fast"),

@@ -142,6 +142,32 @@ def test_a_run_with_no_mixtral_form_says_so_in_one_line(launch2, tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().startswith("lmrepo: error: transformers' Mixtral has")
 
 
+def test_activation_checkpointing_keeps_the_load_balancing_gradient(tmp_path):
+    """Activation checkpointing recomputes each block in backward and claims the run without it:
+    DeepSpeed's (checkpointing.impl=deepspeed, reentrant: the block's forward under no_grad) and
+    torch's must give every router the gradient of the load-balancing loss as well as the language
+    model's. One process, fp32, ZeRO-0, 3 steps of each at a constant rate from the first (so steps
+    2 and 3 follow updates), in one launch (tests/moe_checkpointing_probe.py); the load-balancing
+    term weighted 1 (model.moe.aux_loss_coef=1), a large part of each router's gradient, which
+    DeepSpeed's checkpointing used to leave out."""
+    overrides = [*TINY, *MOE, "model.moe.aux_loss_coef=1", "schedule=constant", "schedule.warmup_steps=0"]
+    probe = [str(REPO / "tests" / "moe_checkpointing_probe.py"), str(tmp_path), "3", *overrides]
+    assert_ok(subprocess.run([PYTHON, *probe], capture_output=True, text=True))
+    runs = torch.load(tmp_path / "moe_checkpointing.pt")
+    assert all(step["lr"] > 0 for run in runs.values() for step in run)
+    # The recompute repeats the forward's arithmetic exactly; backward may add a router's two
+    # gradients (through its block's output and through the aux loss) in another order: a rounding
+    # of fp32 (2^-24) on each sum, a few on the norm. 1e-6 relative allows them, by a wide margin.
+    for impl in ("deepspeed", "torch"):
+        for step, (a, b) in enumerate(zip(runs[impl], runs["none"]), 1):
+            where = (impl, step)
+            assert len(a["router_grads"]) == len(b["router_grads"]) == 2, where  # one router per block
+            for ga, gb in zip(a["router_grads"], b["router_grads"]):
+                assert torch.allclose(ga, gb, rtol=0, atol=1e-6 * gb.abs().max()), (where, (ga - gb).abs().max())
+            for key in ("loss", "grad_norm", "aux_loss"):
+                assert a[key] == pytest.approx(b[key], rel=1e-6), (where, key, a[key], b[key])
+
+
 def test_flops_and_mfu_count_the_active_experts():
     """A token passes through top_k of the experts: the block parameters FLOPs and MFU count are
     the model's blocks less the experts it skips and the norms (which the 2-FLOPs rule leaves out)."""

@@ -127,6 +127,8 @@ class ModelConfig:
                 f"model.pretrained={self.pretrained}: family=mixtral trains from random init here (loading a "
                 "transformers Mixtral directory is not offered): set model.pretrained=null",
             )
+        else:
+            self.dense_check()
         shape = self.shape()
         require(
             shape["n_embd"] % shape["n_head"] == 0,
@@ -136,6 +138,22 @@ class ModelConfig:
             self.pretrained or self.n_kv_head is None or shape["n_head"] % self.n_kv_head == 0,
             f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={shape['n_head']} "
             "(each key/value head serves a group of query heads): change one of them",
+        )
+
+    def dense_check(self) -> None:
+        """A dense family builds no experts: a model.moe key set on it would train a dense model
+        the user believes has experts."""
+        default = MoEConfig()
+        changed = [
+            f"model.moe.{key}={json.dumps(value)}"  # as typed: true, 4, 0.1
+            for key, value in vars(self.moe).items()
+            if value != getattr(default, key)
+        ]
+        require(
+            not changed,
+            f"{changed[0] if changed else ''} configures a mixture of experts, and model.family={self.family} is "
+            "dense (only family=mixtral reads the model.moe keys): choose model=mixtral-tiny (or another "
+            f"model=mixtral-* preset), or drop {', '.join(changed)}",
         )
 
     def check_vocab(self, tokenizer_size: int) -> None:

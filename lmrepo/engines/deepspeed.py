@@ -23,6 +23,7 @@ from lmrepo.models.mixtral import moe_record
 from lmrepo.muon import compile_muon_update, muon_parameters
 from lmrepo.schedules import client_scheduler
 from lmrepo.sequence_parallel import Slicer, register
+from lmrepo.tp import count_every_shard_in_the_norm
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -216,6 +217,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> DeepS
     else:
         mpu = tensor_parallel_groups(layout)
         engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), layout)
+        count_every_shard_in_the_norm(engine.ds)
     if config.trainer.compile:
         isolate_compile_cache()
         engine.ds.compile()  # in place: parameter names, hence checkpoints, are unchanged

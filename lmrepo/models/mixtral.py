@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 from lmrepo.models import llama
 
@@ -108,6 +108,31 @@ class MoEMLP(nn.Module):
         return out
 
 
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """A Llama block whose MLP is an MoEMLP. Checkpointed, it returns the MLP's load-balancing loss
+    from the checkpoint beside the hidden states, as Megatron-DeepSpeed's checkpointed MoE layers
+    return theirs: DeepSpeed's checkpoint (checkpointing.impl=deepspeed) is reentrant, runs the block
+    under no_grad and back-propagates only into the tensors it returns, so the loss the MLP kept
+    from that forward would give the router no gradient (the model trained without load balancing,
+    whatever model.moe.aux_loss_coef said). torch's non-reentrant checkpoint takes the same path."""
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        block = super().forward  # LlamaDecoderLayer's; it leaves a subclass's block to the subclass
+        if not (self.gradient_checkpointing and self.training):
+            return block(hidden_states, **kwargs)
+
+        def block_and_aux_loss(hidden: torch.Tensor):
+            return block(hidden, **kwargs), self.mlp.aux_loss  # in the recompute too: the loss it made
+
+        hidden_states, self.mlp.aux_loss = self._gradient_checkpointing_func(block_and_aux_loss, hidden_states)
+        return hidden_states
+
+
+# transformers wraps every layer class's forward in its own checkpointing (GradientCheckpointingLayer);
+# this one checkpoints itself, so that the aux loss is one of the checkpoint's outputs.
+MoEDecoderLayer.forward = MoEDecoderLayer.forward.__wrapped__
+
+
 class MixtralStyleForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM with MoEMLP in every `every`-th block; its loss adds the load-balancing term."""
 
@@ -116,6 +141,7 @@ class MixtralStyleForCausalLM(LlamaForCausalLM):
         for index, layer in enumerate(self.model.layers):
             if is_moe_block(index, config.moe["every"]):
                 layer.mlp = MoEMLP(config, index)
+                layer.__class__ = MoEDecoderLayer  # the same block and weights, checkpointed as an MoE block
         self.aux_loss_coef = config.moe["aux_loss_coef"]
         self.last_aux_loss = None
 
