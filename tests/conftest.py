@@ -102,6 +102,19 @@ def pytest_addoption(parser):
         help="append one line per test to FILE: CPU seconds (its own and its processes'), wall seconds, "
         "test id, pytest-xdist worker, end time (Unix seconds)",
     )
+    parser.addoption(
+        "--tolerance-report",
+        metavar="FILE",
+        help="append one line per numeric comparison (tests/numerics.py): the worst relative difference, "
+        "the tolerance, their ratio, test id, what was compared",
+    )
+
+
+def pytest_configure(config):
+    import numerics
+
+    if report := config.getoption("tolerance_report"):
+        numerics.REPORT = Path(report).resolve()
 
 
 def cpu_seconds() -> float:

@@ -23,6 +23,7 @@ from conftest import (
     run_train,
     stop_with_signal,
 )
+from numerics import STEPS_FP32, assert_close, reordered_sum
 
 pytestmark = pytest.mark.distributed
 
@@ -82,8 +83,8 @@ def test_resume_on_other_rank_counts_through_the_universal_checkpoint(launch2, t
         assert [t[0] for t in ours] == [t[0] for t in theirs]
         for (_, loss, lr, _), (_, ref_loss, ref_lr, _) in zip(ours, theirs):
             assert lr == ref_lr
-            if loss is not None:
-                assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # other rank counts sum in another order
+            if loss is not None:  # other rank counts sum in another order
+                assert_close(loss, ref_loss, STEPS_FP32, f"the loss after {after} steps on another rank count")
 
 
 def test_sigterm_saves_and_stops_then_auto_resume_continues(tmp_path):
@@ -157,7 +158,9 @@ def test_export_loads_in_transformers_with_the_runs_eval_loss(launch2, tmp_path,
     with torch.no_grad():
         eval_loss = torch.stack([model(**batch).loss for batch in data.eval_batches()]).mean().item()
     expected = [m["eval_loss"] for m in read_metrics(run_dir) if "eval_loss" in m][-1]
-    assert abs(eval_loss - expected) <= 1e-5 * expected
+    # The same weights and blocks, the mean over 4 x 4 x 32 tokens taken in another grouping (4
+    # batches here, 2 per rank there); the weights of another step are 1e-3 or more off.
+    assert_close(eval_loss, expected, reordered_sum(4 * 4 * 32), "eval loss")
 
 
 def test_corrupt_and_mismatched_checkpoints_stop_before_training(launch2, tmp_path):

@@ -1,40 +1,32 @@
 """Real 2-rank DeepSpeed runs on the CPU (gloo), started by torchrun (conftest.launcher).
 
 Same seed, data and global batch everywhere; every ZeRO stage, offload target and activation
-checkpointing mode must give the same training loss. Tolerances:
+checkpointing mode must give the same training loss. Tolerances (tests/numerics.py):
 - fp32: the stages differ only in how gradients are reduced (all-reduce vs reduce-scatter,
-  bucket order), i.e. float rounding: 1e-5 relative over 6 steps (measured: ~1e-7).
+  bucket order), i.e. float rounding: STEPS_FP32, 1e-5 relative over 6 steps (measured: ~1e-7).
 - bf16: every stage keeps fp32 master weights, but gradients are reduced and activations
   computed in bf16, whose unit roundoff is 2**-8 = 0.4%; a different reduction order moves a
-  gradient by up to that much and the difference compounds for a few steps: 2e-2 relative.
+  gradient by up to that much and the difference compounds for a few steps: STEPS_BF16, 2e-2.
 """
 
 import pytest
 
 from conftest import BF16, read_metrics, train_losses
+from numerics import STEPS_BF16, STEPS_FP32, assert_close
 
 pytestmark = pytest.mark.distributed
-
-FP32_TOL = 1e-5
-BF16_TOL = 2e-2
-
-
-def assert_close(a: list[float], b: list[float], rel: float) -> None:
-    assert len(a) == len(b) > 0
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    assert worst <= rel, f"losses differ by {worst:.2e} relative (> {rel}):\n{a}\n{b}"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_agree_fp32(launch2, stage):
     reference = train_losses(launch2("zero=stage0", "precision=fp32"))
-    assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=fp32")), reference, FP32_TOL)
+    assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=fp32")), reference, STEPS_FP32, "losses")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_agree_bf16(launch2, stage):
     reference = train_losses(launch2("zero=stage0", *BF16))
-    assert_close(train_losses(launch2(f"zero=stage{stage}", *BF16)), reference, BF16_TOL)
+    assert_close(train_losses(launch2(f"zero=stage{stage}", *BF16)), reference, STEPS_BF16, "losses")
 
 
 def test_loss_falls_and_only_rank0_writes(launch2):
@@ -49,7 +41,12 @@ def test_loss_falls_and_only_rank0_writes(launch2):
 def test_cpu_offload_matches_no_offload(launch2):
     for stage in (2, 3):
         reference = train_losses(launch2(f"zero=stage{stage}", "precision=fp32"))
-        assert_close(train_losses(launch2(f"zero=stage{stage}", "precision=fp32", "offload=cpu")), reference, FP32_TOL)
+        assert_close(
+            train_losses(launch2(f"zero=stage{stage}", "precision=fp32", "offload=cpu")),
+            reference,
+            STEPS_FP32,
+            "losses",
+        )
 
 
 def test_nvme_offload_matches_no_offload(launch2, tmp_path):
@@ -65,7 +62,10 @@ def test_nvme_offload_matches_no_offload(launch2, tmp_path):
             "trainer.save_every=0",
         )
     )
-    assert_close(nvme, reference, FP32_TOL)
+    # Not rounding alone: the first step's loss, before any update, is already 3e-6 relative off
+    # the in-memory run's (its gradient norm 1.3e-4; CPU offload is equal to the bit), the same on
+    # AVX2 and SSE4.1 kernels. A gap this test shows, not explained yet; 0.3 of the tolerance.
+    assert_close(nvme, reference, STEPS_FP32, "losses")
 
 
 @pytest.mark.parametrize("mode", ["full", "every_n"])
@@ -81,5 +81,6 @@ def test_activation_checkpointing_matches_none(launch2, mode):
             )
         ),
         reference,
-        FP32_TOL,
+        STEPS_FP32,
+        "losses",
     )

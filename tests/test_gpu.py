@@ -12,6 +12,7 @@ from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train
 from lmrepo.compose import load_config
 from lmrepo.device import detect_device
 from lmrepo.estimate import count_parameters, meta_model, model_state_bytes
+from numerics import STEPS_FP32, assert_close
 
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (NCCL, CUDA memory, the GPU peak table)")
@@ -48,7 +49,7 @@ def test_nccl_zero_stages_agree_on_every_visible_gpu(tmp_path, stage):
         )
     reference = [m["loss"] for m in read_metrics(runs[0]) if "loss" in m]
     ours = [m["loss"] for m in read_metrics(runs[stage]) if "loss" in m]
-    assert max(abs(a - b) / abs(b) for a, b in zip(ours, reference)) <= 1e-5  # fp32: only summation order differs
+    assert_close(ours, reference, STEPS_FP32, "losses")  # fp32: only summation order differs
 
 
 @pytest.mark.gpu
@@ -82,7 +83,7 @@ def test_fsdp2_on_cuda_equals_deepspeed_zero3(tmp_path):
         assert_ok(run_train([*TINY, "zero=stage3", "trainer.micro_batch_size=2", *extra], runs[name], **launch))
     reference = [m["loss"] for m in read_metrics(runs["deepspeed"]) if "loss" in m]
     ours = [m["loss"] for m in read_metrics(runs["fsdp2"]) if "loss" in m]
-    assert max(abs(a - b) / abs(b) for a, b in zip(ours, reference)) <= 1e-5
+    assert_close(ours, reference, STEPS_FP32, "losses")
     bf16 = [m for m in read_metrics(runs["fsdp2_bf16"]) if "loss" in m]
     assert bf16[-1]["loss"] < bf16[0]["loss"] and all("grad_norm" in m for m in bf16)
 
@@ -101,4 +102,6 @@ def test_muon_on_cuda_compiles_its_update_and_follows_the_reference(tmp_path):
     assert_ok(proc)
     result = json.loads((tmp_path / "muon_probe.json").read_text())
     assert result["compiled"] is True
-    assert max(abs(a - b) / b for a, b in zip(result["lmrepo"], result["reference"])) <= 1e-3
+    # Each Newton-Schulz step rounds to bf16 (2**-8) on kernels that round otherwise, so the updates
+    # differ by about that much relative; the loss moves by a learning-rate-sized fraction of it.
+    assert_close(result["lmrepo"], result["reference"], 1e-3, "losses")

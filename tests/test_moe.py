@@ -18,6 +18,7 @@ from conftest import (
     read_metrics,
     run_train,
 )
+from numerics import STEPS_FP32, assert_close, reordered_sum
 
 pytestmark = pytest.mark.distributed
 
@@ -39,9 +40,10 @@ def test_expert_parallel_2_equals_1_with_aux_loss_and_expert_load(launch2):
     over 10 steps: a factor-of-2 error in the expert gradients would show in grad_norm."""
     split, whole = train_lines(launch2(*EP2)), train_lines(launch2(*MOE, "zero=stage2"))
     assert [m["step"] for m in split] == list(range(1, 11))
+    for key in ("loss", "grad_norm", "aux_loss"):
+        assert_close([m[key] for m in split], [m[key] for m in whole], STEPS_FP32, key)
     for a, b in zip(split, whole):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
-        assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-7) and a["expert_tokens"] == b["expert_tokens"]
+        assert a["expert_tokens"] == b["expert_tokens"]
         # routes of one step: 2 ranks x 4 sequences x 32 tokens x top-2 x 2 MoE blocks
         assert sum(a["expert_tokens"]) == 2 * 4 * 32 * 2 * 2 and len(a["expert_tokens"]) == 4
         assert 0 < a["aux_loss"] < 1 and a["expert_load_max"] >= 1 and "dropped_frac" not in a
@@ -93,8 +95,11 @@ def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(laun
     assert isinstance(exported, MixtralForCausalLM)
     ours = consolidate(str(run_dir)).model.eval()
     ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    # The same weights in transformers' Mixtral: its own expert and attention code, whose longest
+    # sum (an expert's down projection, 96 terms) may be blocked otherwise. An expert's weights in
+    # the wrong place or transposed move the logits by their whole size.
     with torch.no_grad():
-        assert torch.allclose(exported(input_ids=ids).logits, ours(input_ids=ids).logits, atol=1e-5, rtol=0)
+        assert_close(exported(input_ids=ids).logits, ours(input_ids=ids).logits, reordered_sum(96), "logits")
 
     generated = tmp_path / "generated.json"
     proc = subprocess.run(

@@ -15,6 +15,7 @@ from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
 from lmrepo.muon import muon_parameters
 from lmrepo.schedules import build_scheduler
+from numerics import STEPS_FP32, assert_close
 
 FIRST = "checkpoints/step_00000003"
 # Muon on DeepSpeed with its gradient unclipped (ZeRO-1/2/3 refuse trainer.grad_clip with Muon),
@@ -171,7 +172,8 @@ def test_muon_zero2_equals_zero0_and_wsd_resumes_mid_decay(launch2):
     lines0, lines2 = ([m for m in read_metrics(run) if "loss" in m] for run in (zero0, zero2))
     for a, b in zip(lines0, lines2, strict=True):
         assert a["lr"] == b["lr"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"]  # ZeRO-2 reduces the gradients in another order
+    # ZeRO-2 reduces the gradients in another order
+    assert_close([m["loss"] for m in lines2], [m["loss"] for m in lines0], STEPS_FP32, "losses")
     # ZeRO-0 reports the gradient's norm; under ZeRO-2 DeepSpeed's norm is Muon's update's: left out.
     assert all("grad_norm" in m for m in lines0) and not any("grad_norm" in m for m in lines2)
     lrs = [m["lr"] for m in lines2]

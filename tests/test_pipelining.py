@@ -4,12 +4,12 @@ Real 2-rank launches (4 in all) against a 1-rank run without a pipeline, same se
 global batch: with 2 stages on 2 ranks the data-parallel size is 1, so both read the same
 samples and the same held-out batches; trainer.grad_accum=2 micro-batches per step on both.
 
-Tolerance: 1e-5 relative, fp32. Both compute the same layers on the same weights; what may
-differ is float rounding: the schedule scales the summed micro-batch gradients by 1/2 where
-DeepSpeed scales each micro-batch loss, torch's AdamW against DeepSpeed's FusedAdam, the clip
-norm summed per stage. That is ~1e-7 relative per step (measured here: bit-identical over 6
-steps), far below the ~1e-2 a single optimizer step moves the loss, so a wrong gradient, a
-missing tied-weight reduction or a wrong LR would fail.
+Tolerance: STEPS_FP32, 1e-5 relative (tests/numerics.py). Both compute the same layers on the
+same weights; what may differ is float rounding: the schedule scales the summed micro-batch
+gradients by 1/2 where DeepSpeed scales each micro-batch loss, torch's AdamW against DeepSpeed's
+FusedAdam, the clip norm summed per stage. That is ~1e-7 relative per step (measured here:
+bit-identical over 6 steps), far below the ~1e-2 a single optimizer step moves the loss, so a
+wrong gradient, a missing tied-weight reduction or a wrong LR would fail.
 """
 
 import pytest
@@ -19,16 +19,10 @@ from conftest import TINY, assert_ok, compose_config, read_metrics, run_train, t
 from lmrepo.engines.torch_pipeline import partition, tied_owner
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
+from numerics import STEPS_FP32, assert_close
 
-FP32_TOL = 1e-5
 PIPE = ("trainer.grad_accum=2", "precision=fp32")  # 2 micro-batches: at least one per stage
 LAYERS4 = ("model.n_layer=4",)  # interleaved: 2 ranks x 2 chunks, each chunk a transformer layer
-
-
-def assert_close(a: list[float], b: list[float], rel: float = FP32_TOL) -> None:
-    assert len(a) == len(b) > 0
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    assert worst <= rel, f"losses differ by {worst:.2e} relative (> {rel}):\n{a}\n{b}"
 
 
 def eval_loss(run_dir) -> float:
@@ -89,8 +83,8 @@ def test_tied_head_is_a_copy_of_the_embedding():
 def test_schedule_matches_no_pipeline(launch2, reference, schedule):
     run_dir = launch2(*PIPE, f"pipeline={schedule}")
     ref = reference()
-    assert_close(train_losses(run_dir), train_losses(ref))
-    assert_close([eval_loss(run_dir)], [eval_loss(ref)])
+    assert_close(train_losses(run_dir), train_losses(ref), STEPS_FP32, "losses")
+    assert_close(eval_loss(run_dir), eval_loss(ref), STEPS_FP32, "eval loss")
     # The LR comes from DeepSpeed's own scheduler class: the same rate at every step.
     lrs = [[m["lr"] for m in read_metrics(d) if "lr" in m] for d in (run_dir, ref)]
     assert lrs[0] == lrs[1]
@@ -102,8 +96,8 @@ def test_interleaved_matches_no_pipeline(launch2, reference):
     ref = reference(*LAYERS4)
     losses = train_losses(run_dir)
     assert losses[-1] < losses[0]
-    assert_close(losses, train_losses(ref))
-    assert_close([eval_loss(run_dir)], [eval_loss(ref)])
+    assert_close(losses, train_losses(ref), STEPS_FP32, "losses")
+    assert_close(eval_loss(run_dir), eval_loss(ref), STEPS_FP32, "eval loss")
 
 
 @pytest.mark.distributed

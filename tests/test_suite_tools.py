@@ -1,11 +1,18 @@
-"""The suite's own measuring tool: `--cpu-report=FILE` (tests/README.md) writes one line per test
-with its CPU seconds, counting the processes it ran, its wall seconds, its worker and when it
-ended."""
+"""The suite's own tools: `--cpu-report=FILE` (tests/README.md) writes one line per test with its
+CPU seconds, counting the processes it ran, its wall seconds, its worker and when it ended; the
+numeric comparison every test uses (tests/numerics.py) bounds what fp32 sums in another order
+differ by, and its `--tolerance-report` lines."""
 
 import os
 import subprocess
 
+import numpy as np
+import pytest
+import torch
+
+import numerics
 from conftest import PYTHON, REPO
+from numerics import VOCAB, assert_close, relative_difference, reordered_sum
 
 IN_PROCESS = "tests/test_reference.py::test_every_key_has_a_docstring"
 # runs scripts/estimate.py, which imports torch: a second of CPU or so, all of it in the child
@@ -30,3 +37,47 @@ def test_cpu_report_counts_each_tests_processes(tmp_path):
     assert sorted(rows) == sorted([IN_PROCESS, WITH_A_CHILD])
     assert all(cpu >= 0 and wall >= 0 and worker == "-" and end > 1e9 for cpu, wall, worker, end in rows.values())
     assert rows[WITH_A_CHILD][0] > 0.3 > rows[IN_PROCESS][0], rows
+
+
+def test_reordered_sum_bounds_an_fp32_sum_in_any_order():
+    """The longest sum of a training step: the LM head's backward into the hidden states (softmax
+    minus one-hot, times the head's weights), 50,257 terms. Summed one term after another in fp32
+    (numpy's accumulate), in a shuffled order and by torch's blocked matmul, each is within
+    reordered_sum(VOCAB) of the exact sum and of the others, by the norm."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 0.1, (4, VOCAB))
+    dlogits = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    dlogits[np.arange(4), rng.integers(0, VOCAB, 4)] -= 1
+    dlogits, weights = dlogits.astype(np.float32), rng.normal(0, 0.02, (VOCAB, 32)).astype(np.float32)
+    exact = torch.from_numpy(dlogits.astype(np.float64) @ weights.astype(np.float64))
+    terms = dlogits.T[:, :, None] * weights[:, None, :]  # (VOCAB, 4, 32), each product rounded to fp32
+    orders = {
+        "one after another": np.add.accumulate(terms, axis=0)[-1],
+        "shuffled": np.add.accumulate(terms[rng.permutation(VOCAB)], axis=0)[-1],
+        "matmul": (torch.from_numpy(dlogits) @ torch.from_numpy(weights)).numpy(),
+    }
+    sums = {name: torch.from_numpy(np.asarray(s, dtype=np.float32)) for name, s in orders.items()}
+    assert_close(sums, dict.fromkeys(sums, exact.float()), reordered_sum(VOCAB), "sums against the exact one")
+    assert_close(sums["shuffled"], sums["one after another"], reordered_sum(VOCAB), "two orders")
+    assert relative_difference(sums["matmul"], sums["one after another"]) > 0  # the orders do round differently
+
+
+def test_assert_close_compares_each_tensor_by_its_norm_and_reports(tmp_path, monkeypatch):
+    """An element whose relative error is large inside a tensor that is close passes; a tensor twice
+    the size fails and is named; every comparison is a line of the tolerance report."""
+    report = tmp_path / "tolerances.tsv"
+    monkeypatch.setattr(numerics, "REPORT", report)
+    grads = {"w": torch.tensor([1.0, -2.0, 3e-9]), "b": torch.ones(3)}
+    cancelled = {"w": torch.tensor([1.0, -2.0, -3e-9]), "b": torch.ones(3)}  # a near-zero element changed sign
+    assert assert_close(cancelled, grads, 1e-8, "gradients") < 1e-8
+    with pytest.raises(AssertionError, match=r"gradients\['b'\] differ by 1 relative \(> 1e-08\)"):
+        assert_close({"w": grads["w"], "b": 2 * grads["b"]}, grads, 1e-8, "gradients")
+    with pytest.raises(AssertionError, match=r"losses\[1\] differ by 0.1 relative"):
+        assert_close([1.0, 1.1], [1.0, 1.0], 1e-5, "losses")
+    test = "tests/test_suite_tools.py::test_assert_close_compares_each_tensor_by_its_norm_and_reports"
+    rows = [line.split("\t") for line in report.read_text().splitlines()]
+    assert [(row[1], row[3], row[4]) for row in rows] == [
+        ("1e-08", test, "gradients"),
+        ("1e-08", test, "gradients"),
+        ("1e-05", test, "losses"),
+    ]

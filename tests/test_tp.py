@@ -16,6 +16,7 @@ from lmrepo.compose import compose_checked
 from lmrepo.device import detect_device
 from lmrepo.errors import ConfigError
 from lmrepo.generate import main as generate_main
+from numerics import STEPS_FP32, assert_close
 
 # llama-tiny at TINY's size: 2 layers, 64 wide, 2 heads (2 key/value heads), SwiGLU 128.
 LLAMA = [*TINY, "model=llama-tiny", "model.n_kv_head=2", "model.n_inner=128", "precision=fp32"]
@@ -49,15 +50,14 @@ def test_llama_autotp_matches_unsharded_and_resumes(tmp_path):
 
     # fp32, same data and init: only the summation order differs (a row-parallel layer adds two
     # partial products through an all-reduce; one rank adds them inside one matmul). Measured
-    # here: training losses identical, eval loss 9e-8 relative apart; 1e-5 leaves room for other
-    # CPUs' matmul blocking while still catching any real sharding error (those move the loss
-    # by 1e-3 or more).
+    # here: training losses identical, eval loss 9e-8 relative apart; STEPS_FP32 (1e-5) leaves room
+    # for other CPUs' matmul blocking while still catching any real sharding error (those move the
+    # loss by 1e-3 or more).
     tp_losses, plain_losses = train_losses(sharded), train_losses(plain)
     assert len(tp_losses) == len(plain_losses) == 6
-    for a, b in zip(tp_losses, plain_losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (tp_losses, plain_losses)
+    assert_close(tp_losses, plain_losses, STEPS_FP32, "losses")
     eval_tp, eval_plain = ([m["eval_loss"] for m in read_metrics(d) if "eval_loss" in m][-1] for d in (sharded, plain))
-    assert abs(eval_tp - eval_plain) <= 1e-5 * eval_plain
+    assert_close(eval_tp, eval_plain, STEPS_FP32, "eval loss")
 
     # Resume the sharded run from step 3 on the same layout: steps 4-6 as uninterrupted, bit for bit.
     assert_ok(
