@@ -8,6 +8,7 @@ a TrainConfig object after every range and combination rule has passed: a wrong 
 ConfigError naming the key, before anything is written or any process group starts.
 """
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -17,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lmrepo.config.data import DataConfig, Source, SourceConfig
 from lmrepo.config.evaluation import EvalConfig
-from lmrepo.config.messages import describe_omegaconf_error
+from lmrepo.config.messages import describe_omegaconf_error, more_ranks
 from lmrepo.config.model import Family, ModelConfig
 from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunConfig
 from lmrepo.config.parallel import (
@@ -352,7 +353,7 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
     require(
         world_size % pipe.stages == 0,
         f"pipeline.stages={pipe.stages} does not divide the world size "
-        f"{world_size}: change pipeline.stages or the rank count",
+        f"{world_size}: change pipeline.stages, or {more_ranks(math.lcm(world_size, pipe.stages))}",
     )
     if pipe.schedule != "none":
         _pipeline_check(config)
@@ -365,11 +366,15 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
         shape = config.model.shape()
         for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
             require(count % tp == 0, f"tp.size={tp} does not divide the model's {count} {what}: change tp.size")
-        _groups_divide(dp_size, "tp.size", tp, "rank(s) (world = tp.size x data-parallel ranks)")
+        _groups_divide(dp_size, "tp.size", tp, "rank(s) (world = tp.size x data-parallel ranks)", world_size)
         dp_size //= tp
     sp = config.sequence_parallel.size
     _groups_divide(
-        dp_size, "sequence_parallel.size", sp, "rank(s) (world = sequence_parallel.size x data-parallel ranks)"
+        dp_size,
+        "sequence_parallel.size",
+        sp,
+        "rank(s) (world = sequence_parallel.size x data-parallel ranks)",
+        world_size,
     )
     dp_size //= sp
     ep = config.expert_parallel.size
@@ -378,13 +383,18 @@ def layout_check(config: TrainConfig, world_size: int) -> int:
         "expert_parallel.size",
         ep,
         "data-parallel rank(s) (each group of expert_parallel.size ranks holds every expert once)",
+        world_size,
     )
     return dp_size
 
 
-def _groups_divide(ranks: int, key: str, size: int, which: str) -> None:
-    """Groups of `size` ranks (tensor, sequence or expert parallel) must tile the `ranks`."""
-    require(ranks % size == 0, f"{key}={size} does not divide the {ranks} {which}: change {key} or the rank count")
+def _groups_divide(ranks: int, key: str, size: int, which: str, world_size: int) -> None:
+    """Groups of `size` ranks (tensor, sequence or expert parallel) must tile the `ranks` (of
+    `world_size`); the way out names the smallest world that they tile."""
+    needed = world_size // ranks * math.lcm(ranks, size)
+    require(
+        ranks % size == 0, f"{key}={size} does not divide the {ranks} {which}: change {key}, or {more_ranks(needed)}"
+    )
 
 
 BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
