@@ -22,6 +22,7 @@ from lmrepo.config.messages import describe_omegaconf_error, more_ranks
 from lmrepo.config.model import Family, ModelConfig
 from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunConfig
 from lmrepo.config.parallel import (
+    BLOCK_CLASSES,
     PIPELINE_FAMILIES,
     CheckpointingConfig,
     EngineConfig,
@@ -395,9 +396,6 @@ def _groups_divide(ranks: int, key: str, size: int, which: str, world_size: int)
     require(
         ranks % size == 0, f"{key}={size} does not divide the {ranks} {which}: change {key}, or {more_ranks(needed)}"
     )
-
-
-BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
 
 
 def _pipeline_check(config: TrainConfig) -> None:

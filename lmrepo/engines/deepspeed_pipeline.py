@@ -75,7 +75,11 @@ def build(
         layers=pipe.pipeline_layers(net, model_cfg.family),
         num_stages=pipeline.stages,
         loss_fn=pipe.LMLoss(model_cfg.family, net.config.vocab_size),
-        partition_method=pipeline.partition,
+        partition_method=pipeline.partition_method,
     )  # type:GPT2Block also matches GPT2BlockPipe
+    if dist.get_rank() == 0:
+        names = [getattr(spec, "typename", type(spec)).__name__ for spec in module._layer_specs]
+        if (note := pipe.balance_note(names, list(module.parts), pipeline.partition)) is not None:
+            print(note, flush=True)
     count_every_stage_in_clip_norm(module)
     return DeepSpeedPipelineEngine(initialize(module, ds_config))

@@ -13,6 +13,8 @@ its documents apart (data.cross_document_attention=false): each block then build
 per-document mask from the restarting position ids, as GPT2Model does.
 """
 
+import re
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -250,3 +252,21 @@ def layer_class_names(family: str, n_layer: int) -> list[str]:
     if family == "llama":  # untied: the head is a NormPipe (tied, a LlamaEmbeddingPipe: no block either way)
         return ["LlamaEmbeddingPipe", *["LlamaLayerPipe"] * n_layer, "NormPipe", "NormPipe"]
     return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "NormPipe", "BertEmbeddingPipe", "BiasPipe"]
+
+
+def balance_note(names: list[str], parts: list[int], partition: str) -> str | None:
+    """A note when a split gives the stages unequal shares of the transformer blocks (the
+    pipeline's work): a stage with fewer waits on the others every step, and a stage with none
+    hides what pipelining does. `names`: each pipeline layer's class name; `parts`: the stage
+    boundaries (layer indices)."""
+    from lmrepo.config.parallel import BLOCK_CLASSES
+
+    block = re.compile("|".join(BLOCK_CLASSES.values()), re.IGNORECASE)
+    blocks = [sum(1 for name in names[a:b] if block.search(name)) for a, b in zip(parts, parts[1:])]
+    if min(blocks) > 0 and max(blocks) - min(blocks) <= 1:
+        return None
+    return (
+        f"lmrepo: note: pipeline.partition={partition} gives the {len(blocks)} stages "
+        f"{', '.join(map(str, blocks))} transformer blocks: the busiest stage sets every step's pace "
+        "(the bubble grows); pipeline.partition=blocks gives each stage an equal share"
+    )
