@@ -1,12 +1,13 @@
 """`python train.py --help` and the option reference page come from the schema: every key, its
 type and docstring; docs/reference/options.md is the generated page."""
 
+import os
 import subprocess
 
 from conftest import PYTHON, REPO
 from lmrepo.compose import compose_config
 from lmrepo.config import TrainConfig
-from lmrepo.config.reference import OPTIONS_PAGE, markdown, rows
+from lmrepo.config.reference import OPTIONS_PAGE, SWEEPS_PAGE, markdown, recipes_table, rows, with_recipes_table
 
 
 def test_option_reference_page_is_the_generated_one():
@@ -14,6 +15,18 @@ def test_option_reference_page_is_the_generated_one():
     assert OPTIONS_PAGE.read_text() == expected, (
         "docs/reference/options.md is stale: run python scripts/options_reference.py --write"
     )
+
+
+def test_the_recipes_table_is_the_generated_one():
+    """docs/sweeps.md's table of conf/experiment/ lists every recipe with its grid, as the YAML has it."""
+    page = SWEEPS_PAGE.read_text()
+    assert page == with_recipes_table(page), (
+        "docs/sweeps.md's recipes table is stale: run python scripts/options_reference.py --write"
+    )
+    table = recipes_table()
+    for path in (REPO / "conf" / "experiment").glob("*.yaml"):
+        assert f"| `{path.stem}` |" in table
+    assert "`pipeline=1f1b,gpipe,1f1b_torch,interleaved,interleaved_zb,zbv,dualpipev`" in table
 
 
 def test_every_key_has_a_docstring():
@@ -38,3 +51,21 @@ def test_help_lists_every_key_with_the_chosen_values(tmp_path):
         1
     ].strip() == "false"
     assert list(tmp_path.iterdir()) == [], "--help writes nothing"
+
+
+def test_help_fits_the_terminal(tmp_path):
+    """A 72-column terminal (COLUMNS, as shells export it) gets 72-column help, every key in it;
+    its first line says what lmrepo trains, with which engines."""
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "train.py"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "72"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 72, max(lines, key=len)
+    assert all(f"  {key} " in proc.stdout for key, *_ in rows(TrainConfig))
+    assert "FSDP2" in " ".join(lines[:3]) and "Mixtral" in " ".join(lines[:3])
