@@ -4,6 +4,7 @@ DeepSpeed config, not here: the loop is the same for every ZeRO stage, precision
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -75,6 +76,47 @@ class StopRequest:
             previous(self.signum, None)
 
 
+class Progress:
+    """tqdm's bar where a terminal shows it; elsewhere (a file such as a sweep job's job.log, a
+    pipe, a terminal of width 0, where tqdm draws nothing at all) one plain line per logged step."""
+
+    MIN_COLUMNS = 40  # narrower, the bar has no room for its figures
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.plain = enabled and not self.bar_fits()
+        self.bar = tqdm(
+            total=total, initial=initial, disable=not enabled or self.plain, dynamic_ncols=True, desc="train"
+        )
+
+    @classmethod
+    def bar_fits(cls) -> bool:
+        try:
+            return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns >= cls.MIN_COLUMNS
+        except (OSError, ValueError):
+            return False
+
+    def logged(self, record: dict) -> None:
+        if self.plain:
+            print(
+                f"train: step {record['step']}/{self.total}: loss {record['loss']:.4f}, "
+                f"tokens/s {record['tokens_per_s']:.0f} (this logging window)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.enabled:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def write(self, line: str) -> None:
+        self.bar.write(line)
+
+    def update(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values)
@@ -107,7 +149,7 @@ def fit(
     heartbeat) runs at every step.
     `downstream` (lmrepo.evaluation.Downstream: lm-eval tasks) runs on every rank at its cadence.
     Returns (last record, the stop signal's name or None)."""
-    bar = tqdm(total=trainer.max_steps, initial=state.step, disable=not is_rank0, dynamic_ncols=True, desc="train")
+    bar = Progress(trainer.max_steps, state.step, enabled=is_rank0)
     # Throughput counts training steps only: evaluation and checkpoint time stay out of the window.
     window_seconds, window_steps, last, stopped = 0.0, 0, {}, None
     fit_start = time.perf_counter()
@@ -163,7 +205,7 @@ def fit(
                     )
                 if is_rank0:
                     sinks.log(last)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                    bar.logged(last)
                 window_seconds, window_steps = 0.0, 0
 
             # evaluate on the held-out split
@@ -206,7 +248,7 @@ def fit(
                 checkpoints.save(state)
                 if final and math.isfinite(last.get("eval_loss", 0.0)):
                     checkpoints.confirm()
-            bar.update(1)
+            bar.update()
     finally:
         bar.close()
     return last, stopped
