@@ -139,3 +139,14 @@ def throughput_text(figures: dict) -> str:
     if rate is None:
         return "-"
     return f"{rate:.0f} [{figures['tokens_per_s_min']:.0f}-{figures['tokens_per_s_max']:.0f}]"
+
+
+def objective_value(metrics: list[dict], key: str) -> float | None:
+    """A sweep job's objective (launcher.objective): the run's figure for `key` where this module
+    defines one (tokens_per_s steady, mem_gb the peak, loss and eval_loss the last), so a search
+    optimises what the tables show; else the last value metrics.jsonl logged for it."""
+    figure = run_figures(metrics).get(key)
+    if isinstance(figure, (int, float)):
+        return float(figure)
+    values = [float(m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+    return values[-1] if values else None

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from lmrepo import compare
 from lmrepo.compare import read_metrics
+from lmrepo.figures import objective_value
 
 log = logging.getLogger(__name__)
 
@@ -420,18 +421,17 @@ def job_error(job: Job, status: dict, stopped_by_sweep: bool, timeout: int | Non
 
 
 def read_objective(run_dir: Path, key: str) -> tuple[float | None, str | None]:
-    """(the last value metrics.jsonl logged for `key`, None) or (None, the error)."""
+    """(the run's value for `key`, None) or (None, the error): its figure where lmrepo.figures
+    defines one (tokens_per_s: the steady figure the tables show), else the last value logged."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return None, None  # an app that logs no metrics: a completed job without a value
-    values, keys = [], set()
-    for record in read_metrics(path):  # a torn last line skipped
-        keys.update(record)
-        if isinstance(record.get(key), (int, float)):
-            values.append(float(record[key]))
-    if not values:
-        return None, f"launcher.objective={key}: metrics.jsonl has no value for it (it logs {', '.join(sorted(keys))})"
-    return values[-1], None
+    metrics = read_metrics(path)  # a torn last line skipped
+    value = objective_value(metrics, key)
+    if value is None:
+        keys = sorted({k for record in metrics for k in record})
+        return None, f"launcher.objective={key}: metrics.jsonl has no value for it (it logs {', '.join(keys)})"
+    return value, None
 
 
 def last_error_line(log_file: Path, returncode: int) -> str:

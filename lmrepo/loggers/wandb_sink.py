@@ -104,6 +104,8 @@ class WandbSink:
         for key, value in figures.items():
             if isinstance(value, (int, float)) and key != "step":
                 self.run.summary[key] = value
+        if isinstance(figures.get(self.objective_key), (int, float)):
+            self.objective = figures[self.objective_key]  # as the launcher returns it (lmrepo.figures)
 
     def finish(self) -> None:
         if self.objective is not None:
