@@ -1,14 +1,14 @@
 """The pages generated from the config: the option reference (from the typed schema) and the
-recipes table of docs/sweeps.md (from conf/experiment/).
+tables of docs/sweeps.md (the recipes in conf/experiment/, the figures of lmrepo/figures.py).
 
 python scripts/options_reference.py            # print docs/reference/options.md as it should be
-python scripts/options_reference.py --write    # write it, and the recipes table into docs/sweeps.md
+python scripts/options_reference.py --write    # write it, and docs/sweeps.md's generated tables
 """
 
 import sys
 
 from lmrepo.compose import compose_config
-from lmrepo.config.reference import OPTIONS_PAGE, SWEEPS_PAGE, markdown, with_recipes_table
+from lmrepo.config.reference import OPTIONS_PAGE, SWEEPS_PAGE, markdown, with_generated_tables
 
 
 def options_page() -> str:
@@ -19,7 +19,7 @@ def options_page() -> str:
 if __name__ == "__main__":
     if "--write" in sys.argv:
         OPTIONS_PAGE.write_text(options_page())
-        SWEEPS_PAGE.write_text(with_recipes_table(SWEEPS_PAGE.read_text()))
-        print(f"wrote {OPTIONS_PAGE} and the recipes table of {SWEEPS_PAGE}")
+        SWEEPS_PAGE.write_text(with_generated_tables(SWEEPS_PAGE.read_text()))
+        print(f"wrote {OPTIONS_PAGE} and the generated tables of {SWEEPS_PAGE}")
     else:
         print(options_page(), end="")

@@ -249,14 +249,29 @@ def recipes_table() -> str:
     return "\n".join(out) + "\n"
 
 
-RECIPES_BEGIN = "<!-- recipes: generated from conf/experiment/ by python scripts/options_reference.py --write -->\n"
-RECIPES_END = "<!-- /recipes -->\n"
+def figures_table() -> str:
+    """docs/sweeps.md's table of what each figure of a comparison means (lmrepo.figures)."""
+    from lmrepo.figures import DEFINITIONS
+
+    rows = [f"| {column} | {meaning} |" for column, meaning in DEFINITIONS.items()]
+    return "\n".join(["| column | what it is |", "| --- | --- |", *rows]) + "\n"
 
 
-def with_recipes_table(page: str) -> str:
-    """`page` (docs/sweeps.md) with the generated recipes table between its markers."""
-    start, end = page.index(RECIPES_BEGIN) + len(RECIPES_BEGIN), page.index(RECIPES_END)
-    return page[:start] + recipes_table() + page[end:]
+# docs/sweeps.md's generated tables, each between its markers: (name, what it is generated from, generator).
+GENERATED = (
+    ("recipes", "conf/experiment/", recipes_table),
+    ("figures", "lmrepo/figures.py", figures_table),
+)
+
+
+def with_generated_tables(page: str) -> str:
+    """`page` (docs/sweeps.md) with each generated table between its markers."""
+    for name, source, table in GENERATED:
+        begin = f"<!-- {name}: generated from {source} by python scripts/options_reference.py --write -->\n"
+        end = f"<!-- /{name} -->\n"
+        start, stop = page.index(begin) + len(begin), page.index(end)
+        page = page[:start] + table() + page[stop:]
+    return page
 
 
 def register_help_resolver() -> None:
