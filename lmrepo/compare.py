@@ -252,11 +252,20 @@ def swept_keys(jobs: list[Job]) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for job in jobs for o in job.overrides or [] if o not in common}
 
 
+# Settings a job's config does not hold as such, and the key that sets each: what the sweep must
+# vary for a difference in it to be asked for (the batch DeepSpeed got, the ranks it ran on).
+SOURCES = {
+    "global batch": "trainer.global_batch_size",
+    "micro batch": "trainer.micro_batch_size",
+    "grad accum": "trainer.grad_accum",
+    "ranks": "launcher.ranks",
+}
+
+
 def _covered(key: str, swept: set[str]) -> bool:
     """Whether a sweep over `swept` explains a difference in `key`: the key itself, or its group
-    (`zero` covers zero.stage); the ranks and the machine follow launcher.ranks."""
-    if key in ("ranks",):
-        return "launcher.ranks" in swept
+    (`zero` covers zero.stage); the batch DeepSpeed got and the ranks, the key that sets them."""
+    key = SOURCES.get(key, key)
     return any(key == s or key.startswith(s + ".") for s in swept)
 
 
@@ -281,8 +290,10 @@ def unswept_differences(jobs: list[Job], limit: int = 6) -> list[str]:
         if len(values) < 2:
             continue
         differing.add(key)
-        fix = {"machine": "", "device": "", "ranks": ": set launcher.ranks for every job"}.get(
-            key, f": set {key}= for every job to compare like for like"
+        fix = (
+            ""
+            if key in ("machine", "device")
+            else f": set {SOURCES.get(key, key)}= for every job to compare like for like"
         )
         parts = [
             f"{value} ({', '.join(names[:limit])}{', ...' if len(names) > limit else ''})"

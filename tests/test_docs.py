@@ -79,6 +79,17 @@ def jobs_of(overrides: list[str]) -> list[list[str]]:
     return grid
 
 
+def multirun_recipe(override: str) -> bool:
+    """An experiment= or hparams_search= recipe that makes the command a sweep (hydra.mode: MULTIRUN)."""
+    from omegaconf import OmegaConf
+
+    group, _, name = override.partition("=")
+    path = REPO / "conf" / group / f"{name}.yaml"
+    if group not in ("experiment", "hparams_search") or not path.is_file():
+        return False
+    return OmegaConf.select(OmegaConf.load(path), "hydra.mode") == "MULTIRUN"
+
+
 def test_every_training_command_passes_its_checks():
     """Each train.py line of docs/, each job of a `-m` line: composed and planned for its rank
     count on a GPU (what the pages write for: fp16, 8 ranks), as train.py plans before launching."""
@@ -90,9 +101,11 @@ def test_every_training_command_passes_its_checks():
         ranks, overrides = job
         for placeholder, value in subs.items():
             overrides = [o.replace(placeholder, value) for o in overrides]
+        sweep = "-m" in overrides or any(multirun_recipe(o) for o in overrides)
         for job_overrides in jobs_of(overrides):
             cfg = compose_config(job_overrides)
-            world = ranks or cfg.launcher.ranks * cfg.launcher.nodes
+            # a sweep's jobs run on launcher.ranks each, whatever started the sweep
+            world = cfg.launcher.ranks * cfg.launcher.nodes if sweep or ranks is None else ranks
             try:
                 validate(cfg, world, GPU)
             except Exception as err:
