@@ -2,6 +2,7 @@
 type and docstring; docs/reference/options.md is the generated page."""
 
 import os
+import re
 import subprocess
 
 from conftest import PYTHON, REPO
@@ -68,5 +69,6 @@ def test_help_fits_the_terminal(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 72, max(lines, key=len)
-    assert all(f"  {key} " in proc.stdout for key, *_ in rows(TrainConfig))
+    # a key longer than the narrow terminal's key column has its type on the next line
+    assert all(re.search(rf"^  {re.escape(key)}( |$)", proc.stdout, re.M) for key, *_ in rows(TrainConfig))
     assert "FSDP2" in " ".join(lines[:3]) and "Mixtral" in " ".join(lines[:3])

@@ -158,7 +158,9 @@ def help_text(config: DictConfig) -> str:
         )
     lines += ["", "== Keys: key=value (type; value here; meaning) =="]
     table = [(key, kind, value_of(config, key), doc) for key, kind, doc, _ in rows(TrainConfig)]
-    key_width = max(len(key) for key, *_ in table)
+    # keys padded to one column, as wide as the longest key where the terminal leaves 40 columns
+    # for the rest; a longer key then has its type after two spaces, or on the next line
+    key_width = min(max(len(key) for key, *_ in table), width - 44)
     for key, kind, value, doc in table:
         # one key a line; a meaning that would run past the terminal's width goes on below, indented
         lines += textwrap.wrap(
