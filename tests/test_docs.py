@@ -93,24 +93,30 @@ def multirun_recipe(override: str) -> bool:
 def test_every_training_command_passes_its_checks():
     """Each train.py line of docs/, each job of a `-m` line: composed and planned for its rank
     count on a GPU (what the pages write for: fp16, 8 ranks), as train.py plans before launching."""
-    subs, checked = placeholders(), 0
-    for command in commands():
-        job = train_job(command.words)
-        if job is None or "--help" in command.words:
-            continue
-        ranks, overrides = job
-        for placeholder, value in subs.items():
-            overrides = [o.replace(placeholder, value) for o in overrides]
-        sweep = "-m" in overrides or any(multirun_recipe(o) for o in overrides)
-        for job_overrides in jobs_of(overrides):
-            cfg = compose_config(job_overrides)
-            # a sweep's jobs run on launcher.ranks each, whatever started the sweep
-            world = cfg.launcher.ranks * cfg.launcher.nodes if sweep or ranks is None else ranks
-            try:
-                validate(cfg, world, GPU)
-            except Exception as err:
-                pytest.fail(f"{command.page}: {command.line}\n  job {job_overrides} on {world} rank(s): {err}")
-            checked += 1
+    from hydra import compose, initialize_config_dir
+
+    compose_config()  # the schema and the resolvers registered
+    subs, checked, jobs = placeholders(), 0, []
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):  # once for every command
+        for command in commands():
+            job = train_job(command.words)
+            if job is None or "--help" in command.words:
+                continue
+            ranks, overrides = job
+            for placeholder, value in subs.items():
+                overrides = [o.replace(placeholder, value) for o in overrides]
+            sweep = "-m" in overrides or any(multirun_recipe(o) for o in overrides)
+            for job_overrides in jobs_of(overrides):
+                cfg = compose(config_name="train", overrides=[*job_overrides, "run.dir=/nonexistent/lmrepo-run"])
+                jobs.append((command, ranks, sweep, job_overrides, cfg))
+    for command, ranks, sweep, job_overrides, cfg in jobs:
+        # a sweep's jobs run on launcher.ranks each, whatever started the sweep
+        world = cfg.launcher.ranks * cfg.launcher.nodes if sweep or ranks is None else ranks
+        try:
+            validate(cfg, world, GPU)
+        except Exception as err:
+            pytest.fail(f"{command.page}: {command.line}\n  job {job_overrides} on {world} rank(s): {err}")
+        checked += 1
     assert checked >= 60, checked
 
 
@@ -165,15 +171,15 @@ def line(page: str, start: str) -> list[str]:
 
 
 def test_checkpoints_page_run_export_and_generation(tmp_path):
-    """checkpoints.md's run with checkpoints, its two exports (the latest, a given tag), and
-    generation.md's sampling from the run directory: one run, its follow-ups as the pages type them."""
+    """checkpoints.md's run with checkpoints, its export of the latest, and generation.md's
+    sampling from the run directory: one run, its follow-ups as the pages type them (the export of
+    a given tag reads the same files: the check above holds it to a run that saves)."""
     sizes = [o for o in TINY if not o.startswith("trainer.max_steps")]
-    run = ["python", "train.py", *line("checkpoints.md", "python train.py trainer.max_steps=20")[2:]]
+    run = line("checkpoints.md", "python train.py trainer.max_steps=20")
     assert_ok(subprocess.run(shrunk(run, sizes), cwd=tmp_path, capture_output=True, text=True, timeout=600))
-    for start in ("python scripts/export_hf.py runs/demo runs/demo-hf", "python scripts/export_hf.py runs/demo/"):
-        words = line("checkpoints.md", start)
-        assert_ok(subprocess.run(shrunk(words, []), cwd=tmp_path, capture_output=True, text=True, timeout=600))
-        assert (tmp_path / words[-1] / "config.json").is_file()
+    export = line("checkpoints.md", "python scripts/export_hf.py runs/demo runs/demo-hf")
+    assert_ok(subprocess.run(shrunk(export, []), cwd=tmp_path, capture_output=True, text=True, timeout=600))
+    assert (tmp_path / export[-1] / "config.json").is_file()
     generate = line("generation.md", "python scripts/generate.py run=outputs/2026-11-21/12-00-00")
     generate = [w.replace("outputs/2026-11-21/12-00-00", "runs/demo") for w in generate]
     proc = subprocess.run(shrunk(generate, ["max_new_tokens=5"]), cwd=tmp_path, capture_output=True, text=True)

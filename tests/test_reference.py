@@ -42,6 +42,9 @@ def test_help_lists_every_key_with_the_chosen_values(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        # no terminal, no COLUMNS: 120 columns. (pytest's readline exports COLUMNS=80 to the
+        # processes it starts without an env of their own.)
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
     )
     assert proc.returncode == 0, proc.stderr
     words = " ".join(proc.stdout.split())  # a long meaning wraps onto the next lines
