@@ -95,8 +95,8 @@ def steady_throughput(metrics: list[dict]) -> dict | None:
 
 def run_figures(metrics: list[dict]) -> dict:
     """Every figure of DEFINITIONS a run's records give (None where they give none), keyed as
-    metrics.jsonl keys them, with `tokens_per_s_min`/`_max` the spread and `steady_steps` the steps
-    the steady figures cover."""
+    metrics.jsonl keys them, with `tokens_per_s_min`/`_max` the spread, `steady_steps` the steps
+    the steady figures cover and `windows` how many logging windows those are."""
     train = training_records(metrics)
     evals = [m for m in metrics if m.get("eval_loss") is not None]
     steady = steady_throughput(metrics)
@@ -109,6 +109,7 @@ def run_figures(metrics: list[dict]) -> dict:
         "tokens_per_s_min": None,
         "tokens_per_s_max": None,
         "steady_steps": None,
+        "windows": 0,
         "tflops": None,
         "mfu": None,
         "bubble": None,
@@ -122,6 +123,7 @@ def run_figures(metrics: list[dict]) -> dict:
             tokens_per_s_min=steady["min"],
             tokens_per_s_max=steady["max"],
             steady_steps=[steady["first_step"], steady["last_step"]],
+            windows=steady["windows"],
         )
         # TFLOP/s and MFU are the tokens/s times a constant of the run (FLOPs per token, devices,
         # peak): the steady rate times the last record's ratio.

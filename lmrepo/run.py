@@ -19,7 +19,7 @@ from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.estimate import active_block_params, checkpointed_layers
 from lmrepo.evaluation import Downstream
 from lmrepo.evaluation.tasks import TaskSet
-from lmrepo.figures import read_metrics, run_figures, throughput_text
+from lmrepo.figures import read_metrics, run_figures
 from lmrepo.loggers import build_sinks
 from lmrepo.loop import StopRequest, Throughput, TrainState, fit
 from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, machine_name, peak_tflops
@@ -98,7 +98,9 @@ def done_line(figures: dict) -> str:
         parts.append(f"eval_loss {figures['eval_loss']:.4g}")
     if figures["tokens_per_s"] is not None:
         first, last = figures["steady_steps"]
-        parts.append(f"tokens/s {throughput_text(figures)} (steady, steps {first}-{last}; [slowest-fastest window])")
+        low, high = figures["tokens_per_s_min"], figures["tokens_per_s_max"]
+        spread = f"windows {low:.0f}-{high:.0f}" if figures["windows"] > 1 else "one logging window"
+        parts.append(f"tokens/s {figures['tokens_per_s']:.0f} steady over steps {first}-{last} ({spread})")
     if figures["tflops"] is not None:
         parts.append(f"TFLOP/s {figures['tflops']:.4g}")
     if figures["mfu"] is not None:

@@ -138,7 +138,8 @@ def test_the_sweep_summary_the_done_line_and_wandb_say_what_compare_says(sweep, 
         assert f"{rate:.0f}" == table[int(job)][TOKENS].split()[0]
         assert status["setting"]["ranks"] == 1 and status["setting"]["machine"]
         log = (sweep_dir / job / "job.log").read_text()
-        assert f"tokens/s {table[int(job)][TOKENS]} (steady, steps 2-6;" in log
+        rate, low, high = table[int(job)][TOKENS].replace("[", "").replace("]", "").replace("-", " ").split()
+        assert f"tokens/s {rate} steady over steps 2-6 (windows {low}-{high})" in log
         (run,) = (sweep_dir / job / "wandb").glob("offline-run-*/*.wandb")
         assert b"tokens_per_s" in run.read_bytes() and json.dumps(rate).encode() in run.read_bytes()
 
