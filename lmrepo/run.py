@@ -91,8 +91,9 @@ def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
     )
 
 
-def done_line(figures: dict) -> str:
-    """The run's figures as the tables show them (lmrepo.figures), each named."""
+def done_line(figures: dict, last: dict) -> str:
+    """The run's figures as the tables show them (lmrepo.figures), each named; then the last
+    record's downstream task metrics (eval.tasks)."""
     parts = [f"loss {figures['loss']:.4g}" if figures["loss"] is not None else None]
     if figures["eval_loss"] is not None:
         parts.append(f"eval_loss {figures['eval_loss']:.4g}")
@@ -107,6 +108,7 @@ def done_line(figures: dict) -> str:
         parts.append(f"MFU {figures['mfu']:.2%}")
     if figures["mem_gb"] is not None:
         parts.append(f"peak mem_gb {figures['mem_gb']:.3g}")
+    parts += [f"{k} {v:.4g}" for k, v in last.items() if k.startswith("eval/") and isinstance(v, float)]
     return ", ".join(p for p in parts if p)
 
 
@@ -289,7 +291,8 @@ def train(cfg: DictConfig, job: Plan) -> dict:
         else:
             write_status(run_dir, "completed", started, final=last, summary=figures, setting=setting)
             print(
-                f"lmrepo: done at step {last.get('step')}: {done_line(figures)}. Run directory: {run_dir}", flush=True
+                f"lmrepo: done at step {last.get('step')}: {done_line(figures, last)}. Run directory: {run_dir}",
+                flush=True,
             )
     dist.destroy_process_group()
     if run_lock is not None:
