@@ -98,10 +98,10 @@ def done_line(figures: dict, last: dict) -> str:
     if figures["eval_loss"] is not None:
         parts.append(f"eval_loss {figures['eval_loss']:.4g}")
     if figures["tokens_per_s"] is not None:
-        first, last = figures["steady_steps"]
+        first, final = figures["steady_steps"]
         low, high = figures["tokens_per_s_min"], figures["tokens_per_s_max"]
         spread = f"windows {low:.0f}-{high:.0f}" if figures["windows"] > 1 else "one logging window"
-        parts.append(f"tokens/s {figures['tokens_per_s']:.0f} steady over steps {first}-{last} ({spread})")
+        parts.append(f"tokens/s {figures['tokens_per_s']:.0f} steady over steps {first}-{final} ({spread})")
     if figures["tflops"] is not None:
         parts.append(f"TFLOP/s {figures['tflops']:.4g}")
     if figures["mfu"] is not None:
