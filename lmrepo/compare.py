@@ -510,8 +510,11 @@ def plot_bars(rows: list[dict], out: Path, column: str, filename: str, ylabel: s
             [v - (row[low] if row[low] is not None else v) for v, row in zip(values, shown)],
             [(row[high] if row[high] is not None else v) - v for v, row in zip(values, shown)],
         ]
-    bars = ax.bar(range(len(shown)), values, yerr=yerr, capsize=6, color="#4c72b0", ecolor="#333333")
-    ax.bar_label(bars, labels=[cell(row, column).split(" ")[0] for row in shown], padding=3, fontsize="small")
+    ax.bar(range(len(shown)), values, yerr=yerr, capsize=6, color="#4c72b0", ecolor="#333333")
+    for i, (value, row) in enumerate(zip(values, shown)):  # each value above its bar and its error bar
+        top = value + (yerr[1][i] if yerr else 0)
+        text = cell(row, column).split(" ")[0]
+        ax.annotate(text, (i, top), xytext=(0, 6), textcoords="offset points", ha="center", fontsize="small")
     settings = [row["setting"] for row in shown]
     shared = {k: settings[0][k] for k in settings[0]} if settings else {}
     shared = {k: v for k, v in shared.items() if all(s.get(k) == v for s in settings)}
