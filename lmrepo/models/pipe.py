@@ -255,10 +255,10 @@ def layer_class_names(family: str, n_layer: int) -> list[str]:
 
 
 def balance_note(names: list[str], parts: list[int], partition: str) -> str | None:
-    """A note when a split gives the stages unequal shares of the transformer blocks (the
-    pipeline's work): a stage with fewer waits on the others every step, and a stage with none
-    hides what pipelining does. `names`: each pipeline layer's class name; `parts`: the stage
-    boundaries (layer indices)."""
+    """A note when a split gives the stages unequal shares of the transformer blocks: a stage with
+    none pipelines no transformer work, which hides what the schedule does. Whether it is slower
+    depends on the model (a narrow model's LM head can outweigh its blocks): the note points at
+    the measured bubble. `names`: each pipeline layer's class name; `parts`: the stage boundaries."""
     from lmrepo.config.parallel import BLOCK_CLASSES
 
     block = re.compile("|".join(BLOCK_CLASSES.values()), re.IGNORECASE)
@@ -267,6 +267,7 @@ def balance_note(names: list[str], parts: list[int], partition: str) -> str | No
         return None
     return (
         f"lmrepo: note: pipeline.partition={partition} gives the {len(blocks)} stages "
-        f"{', '.join(map(str, blocks))} transformer blocks: the busiest stage sets every step's pace "
-        "(the bubble grows); pipeline.partition=blocks gives each stage an equal share"
+        f"{', '.join(map(str, blocks))} transformer blocks (a stage without one holds only the embedding or the "
+        "head); pipeline.partition=blocks gives each an equal share, and the metrics' bubble measures which "
+        "split balances the compute"
     )
