@@ -552,14 +552,14 @@ def report(jobs: list[Job], out: Path) -> tuple[str, list[str]]:
     differences = unswept_differences(jobs)
     out.mkdir(parents=True, exist_ok=True)
     plot_losses(jobs, out, "step", PLOTS[0], "step")
-    plot_losses(jobs, out, "elapsed_s", PLOTS[1], "training time (s)")
+    plot_losses(jobs, out, "elapsed_s", PLOTS[1], "seconds since training began")
     plot_bars(rows, out, TOKENS, PLOTS[2], "tokens/s (steady)", spread=("tokens/s min", "tokens/s max"))
     plot_bars(rows, out, "peak mem GB (rank 0)", PLOTS[3], "peak memory GB (rank 0)")
     plot_lr(jobs, out, PLOTS[4])
     text = [table, "\n", definitions(table_columns(rows))]
     if differences:
         text += ["\nNot like for like:\n\n", *(f"- {line}\n" for line in differences)]
-    titles = ("loss vs step", "loss vs training time", "tokens/s", "peak memory", "learning rate vs step")
+    titles = ("loss vs step", "loss vs time", "tokens/s", "peak memory", "learning rate vs step")
     text += ["\n", *(f"![{title}]({plot})\n\n" for title, plot in zip(titles, PLOTS))]
     (out / "compare.md").write_text("".join(text))
     return table, differences
