@@ -130,7 +130,7 @@ def rank_layers(cfg):
     net = build_model(cfg.model)
     layers = pipe.pipeline_layers(net, cfg.model.family)
     stages, virtual = cfg.pipeline.stages, cfg.pipeline.virtual_stages
-    parts = partition(layers, stages * virtual, str(cfg.pipeline.partition))
+    parts = partition(layers, stages * virtual, cfg.pipeline.partition_method)
     rank = dist.get_rank() // (dist.get_world_size() // stages)
     chunks = [
         (c, Chunk({i: build_layer(layers[i]) for i in range(parts[c], parts[c + 1])}))

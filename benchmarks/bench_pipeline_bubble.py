@@ -238,30 +238,40 @@ def report(rows: list[dict], model: list[str], load: tuple[float, float]) -> str
     return "\n".join(lines)
 
 
+IDLE = {"facecolor": "white", "edgecolor": "#999999", "hatch": "///", "linewidth": 0.5}  # what no action covers
+
+
 def draw(rows: list[dict], path: Path) -> None:
-    """One panel per schedule, one lane per rank: each action a bar in its kind's colour, idle white."""
+    """One panel per schedule, one lane per rank, all on one time axis (ms since the step began):
+    each action a bar in its kind's colour over a hatched lane, so idle time shows as hatching."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.1 * len(rows) * len(rows[0]["ranks"]) + 1))
+    ranks = len(rows[0]["ranks"])
+    fig, axes = plt.subplots(
+        len(rows), 1, figsize=(11, 0.55 * len(rows) * ranks + 1.6), sharex=True, layout="constrained"
+    )
     for ax, r in zip(axes, rows):
         for rank, t in enumerate(r["ranks"]):
+            # the step's span on this rank (the drawn step's actions may end past the median's): its idle time
+            span = max([t["step"], *(end for _, _, end in t["actions"])]) * 1e3
+            ax.barh(rank, span, left=0, height=0.8, **IDLE)
             for kind, start, end in t["actions"]:
                 ax.barh(rank, (end - start) * 1e3, left=start * 1e3, color=COLOURS[kind], height=0.8)
-        ax.set_yticks(range(len(r["ranks"])), [f"rank {i}" for i in range(len(r["ranks"]))])
+        ax.set_yticks(range(ranks), [f"rank {i}" for i in range(ranks)], fontsize=8)
         ax.invert_yaxis()
-        ax.set_title(f"{r['schedule']}: bubble {r['measured']:.2f} measured, {r['predicted']:.2f} paper", fontsize=9)
-    axes[-1].set_xlabel("ms since the step began")
+        name = r["schedule"] + (f" (v={r['v']})" if r["v"] > 1 else "")
+        ax.set_title(f"{name}: bubble {r['measured']:.2f} measured, {r['predicted']:.2f} paper", fontsize=9, loc="left")
+    axes[-1].set_xlabel("ms since the step began (one time axis for every schedule)")
     fig.legend(
-        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()] + [Patch(color="white", label="idle")],
-        loc="upper right",
-        ncol=6,
+        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()] + [Patch(label="idle", **IDLE)],
+        loc="outside upper center",
+        ncols=6,
         fontsize=8,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
 
 
@@ -280,10 +290,7 @@ def main() -> None:
     picture.parent.mkdir(exist_ok=True)
     draw(result["rows"], picture)
     saved.print(f"\nTimeline of one step per schedule: {picture.name}")
-    for row in result["rows"]:
-        for rank in row["ranks"]:
-            rank.pop("actions")  # drawn; the .json keeps the figures
-    saved.save(args.save, result)
+    saved.save(args.save, result)  # with each rank's actions: the timeline can be drawn again from the .json
 
 
 if __name__ == "__main__":

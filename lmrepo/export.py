@@ -62,9 +62,17 @@ class Consolidated:
 def consolidate(source: str) -> Consolidated:
     """A run directory, its checkpoints/ or a checkpoints/<tag> as one transformers model in
     memory: ZeRO partitions (any stage) and pipeline layer files joined on the CPU, nothing written."""
-    found = checkpoint.find(source, Path(source) / "checkpoints")
+    if not Path(source).exists():
+        raise ConfigError(f"{source}: no such directory: give a run directory, its checkpoints/ or a checkpoints/<tag>")
+    try:
+        found = checkpoint.find(source, Path(source) / "checkpoints")
+    except ConfigError:  # find() words it for run.resume=, which the user of a script never typed
+        found = None
     if found is None:
-        raise ConfigError(f"{source} holds no checkpoint: train with trainer.save_every=N first")
+        raise ConfigError(
+            f"{source} holds no checkpoint: a run saves one with trainer.save_every=N (and at its end); "
+            "train with it, then export the run directory"
+        )
     directory, tag = found
     states = safe_load.load(checkpoint.check_files(directory / tag))
     if "config" not in states:

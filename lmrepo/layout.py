@@ -22,6 +22,7 @@ Rank order, outermost first (the last dimension varies fastest between consecuti
 import math
 from dataclasses import dataclass
 
+from lmrepo.config.messages import more_ranks
 from lmrepo.errors import require
 
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
@@ -56,25 +57,30 @@ class ParallelLayout:
         require(
             world % config.pipeline.stages == 0,
             f"pipeline.stages={config.pipeline.stages} does not divide the world size "
-            f"{world}: change pipeline.stages or the rank count",
+            f"{world}: change pipeline.stages, or {more_ranks(math.lcm(world, config.pipeline.stages))}",
         )
         ranks = world // pp
         tp = config.tp.size if str(config.tp.mode) == "auto" else 1
-        _groups_divide(ranks, "tp.size", tp, "rank(s) (world = tp.size x data-parallel ranks)")
+        _groups_divide(ranks, "tp.size", tp, "rank(s) (world = tp.size x data-parallel ranks)", world)
         ranks //= tp
         sp = config.sequence_parallel.size
         _groups_divide(
-            ranks, "sequence_parallel.size", sp, "rank(s) (world = sequence_parallel.size x data-parallel ranks)"
+            ranks,
+            "sequence_parallel.size",
+            sp,
+            "rank(s) (world = sequence_parallel.size x data-parallel ranks)",
+            world,
         )
         ranks //= sp
         replicate = config.engine.replicate
-        _groups_divide(ranks, "engine.replicate", replicate, "data-parallel rank(s) (HSDP: replicas x shards)")
+        _groups_divide(ranks, "engine.replicate", replicate, "data-parallel rank(s) (HSDP: replicas x shards)", world)
         ep = config.expert_parallel.size
         _groups_divide(
             ranks,
             "expert_parallel.size",
             ep,
             "data-parallel rank(s) (each group of expert_parallel.size ranks holds every expert once)",
+            world,
         )
         return cls(world=world, pp=pp, dp_replicate=replicate, dp_shard=ranks // replicate, sp=sp, tp=tp, ep=ep)
 
@@ -136,6 +142,10 @@ class ParallelLayout:
         return " x ".join(parts) or "1 rank"
 
 
-def _groups_divide(ranks: int, key: str, size: int, which: str) -> None:
-    """Groups of `size` ranks (tensor, sequence or expert parallel) must tile the `ranks`."""
-    require(ranks % size == 0, f"{key}={size} does not divide the {ranks} {which}: change {key} or the rank count")
+def _groups_divide(ranks: int, key: str, size: int, which: str, world: int) -> None:
+    """Groups of `size` ranks (tensor, sequence, expert parallel, replicas) must tile the `ranks`
+    (of `world`); the way out names the smallest world that they tile."""
+    needed = world // ranks * math.lcm(ranks, size)
+    require(
+        ranks % size == 0, f"{key}={size} does not divide the {ranks} {which}: change {key}, or {more_ranks(needed)}"
+    )

@@ -4,6 +4,7 @@ DeepSpeed config, not here: the loop is the same for every ZeRO stage, precision
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -75,6 +76,51 @@ class StopRequest:
             previous(self.signum, None)
 
 
+class Progress:
+    """tqdm's bar where a terminal shows it; elsewhere (a file such as a sweep job's job.log, a
+    pipe, a terminal of width 0, where tqdm draws nothing at all) one plain line per logged step."""
+
+    MIN_COLUMNS = 40  # narrower, the bar has no room for its figures
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.plain = enabled and not self.bar_fits()
+        self.bar = tqdm(
+            total=total, initial=initial, disable=not enabled or self.plain, dynamic_ncols=True, desc="train"
+        )
+
+    @classmethod
+    def bar_fits(cls) -> bool:
+        try:
+            return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns >= cls.MIN_COLUMNS
+        except (OSError, ValueError):
+            return False
+
+    def logged(self, record: dict) -> None:
+        if self.plain:
+            print(
+                f"train: step {record['step']}/{self.total}: loss {record['loss']:.4f}, "
+                f"tokens/s {record['tokens_per_s']:.0f} (this logging window)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.enabled:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def write(self, line: str) -> None:
+        self.bar.write(line)
+
+    @property
+    def n(self) -> int:
+        return self.bar.n
+
+    def update(self, steps: int = 1) -> None:
+        self.bar.update(steps)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def _sum_over_ranks(values: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, group=group)
@@ -128,7 +174,7 @@ def fit(
     heartbeat) runs at every step.
     `downstream` (lmrepo.evaluation.Downstream: lm-eval tasks) runs on every rank at its cadence.
     Returns (last record, the stop signal's name or None)."""
-    bar = tqdm(total=trainer.max_steps, initial=state.step, disable=not is_rank0, dynamic_ncols=True, desc="train")
+    bar = Progress(trainer.max_steps, state.step, enabled=is_rank0)
     # Throughput counts training steps only: evaluation and checkpoint time stay out of the window.
     # The loss stays on the device between logging steps: reading it back (or anything else the step
     # computed) makes the host wait for the device, and a host that waits cannot queue the next
@@ -205,7 +251,7 @@ def fit(
                     )
                 if is_rank0:
                     sinks.log(last)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                    bar.logged(last)
                 window_seconds, window_steps = 0.0, 0
 
             # evaluate on the held-out split

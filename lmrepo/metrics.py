@@ -2,6 +2,8 @@
 
 import functools
 import os
+import platform
+from pathlib import Path
 
 import psutil
 import torch
@@ -66,6 +68,22 @@ def device_name(device_type: str) -> str:
     if device_type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return device_type
+
+
+def machine_name(device_type: str) -> str:
+    """What the run ran on, for a comparison's figures: the GPU's name, else the CPU's model and
+    the cores this process may use (throughput on a CPU follows both)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
 
 
 def memory_gb(device_type: str) -> float:

@@ -16,6 +16,7 @@ from building the all-reduce it never calls.
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 
 # Each op DeepSpeed builds on a CPU: the name scripts/build_ops.py takes (None: built along with
@@ -70,6 +71,26 @@ def build_note(name: str) -> str:
     return f"lmrepo: compiling DeepSpeed's {name} op ({purpose}) once for this environment: {minutes} on 2 cores{ahead}"
 
 
+def wait_note(name: str, lock: Path) -> str:
+    """What a process that finds another's build lock says: that it waits for that build (the
+    usual case: another rank or job started it moments ago), or, once the lock is older than a
+    build ever takes, that an interrupted build may have left it."""
+    _, _, (_, high) = OPS.get(name, (None, None, (30, 300)))
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:  # the build just finished
+        age = 0.0
+    if age <= 2 * high:
+        return (
+            f"lmrepo: another process is building DeepSpeed's {name} op (for {age:.0f} s so far); "
+            "this one waits for it and then loads the same build"
+        )
+    return (
+        f"lmrepo: waiting for a build of DeepSpeed's {name} op whose lock is {age / 60:.0f} min old, longer than "
+        f"a build takes: if no build is running, an interrupted one left {lock}; remove it"
+    )
+
+
 def announce_builds() -> None:
     """One line before each op DeepSpeed compiles in this process, from the node's first rank
     (the others wait for its build); after `pin_builds`."""
@@ -81,16 +102,10 @@ def announce_builds() -> None:
 
     def announced_jit_load(self, verbose=True):
         if os.environ.get("LOCAL_RANK", "0") == "0" and not is_built(self.name):
-            # stderr: DeepSpeed's start runs inside quiet_prints, which holds stdout back until its end
-            print(build_note(self.name), file=sys.stderr, flush=True)
             lock = build_root() / self.name / "lock"
-            if lock.exists():  # torch waits for the builder holding it, without a word
-                print(
-                    f"lmrepo: waiting for another process's build of {self.name}: if none is running, "
-                    f"an interrupted one left {lock}; remove it",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            # stderr: DeepSpeed's start runs inside quiet_prints, which holds stdout back until its end.
+            # A lock: torch waits for the builder holding it, without a word.
+            print(wait_note(self.name, lock) if lock.exists() else build_note(self.name), file=sys.stderr, flush=True)
         return jit_load(self, verbose)
 
     announced_jit_load._lmrepo_announces = True

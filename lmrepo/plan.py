@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from lmrepo.config import TrainConfig, compile_by_default, layout_check, load
+from lmrepo.config.messages import more_ranks
+from lmrepo.config.reference import CONF_DIR
 from lmrepo.device import Device, choose_precision, detect_device
 from lmrepo.ds_config import build_ds_config, prefer_torch_adam_on_cpu
+from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
 from lmrepo.preflight import check_deepspeed
 from lmrepo.user_config import UserConfig, lay_over
@@ -25,6 +28,32 @@ class Plan:
     notes: list[str]  # what to say at start: the precision (auto's choice, or bf16's cost here), JSON deprecations
 
 
+def check_launcher_ranks(config: TrainConfig, world_size: int) -> None:
+    """launcher.ranks is what each job of a -m sweep is launched with. A recipe that sets it
+    (experiment=long_context) or a command line, run as one process without -m, would otherwise
+    train on one rank without a word."""
+    ranks = config.launcher.ranks * config.launcher.nodes
+    if world_size == 1 and ranks > 1:
+        raise ConfigError(
+            f"launcher.ranks={config.launcher.ranks}{recipe_note()} sets the ranks of each job of a -m sweep, and "
+            f"this is one process: add -m (python train.py -m ...), or {more_ranks(ranks)}"
+        )
+
+
+def recipe_note() -> str:
+    """` (set by experiment=NAME)` when a recipe was chosen, for a message about a value it may set."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return ""
+    from omegaconf import OmegaConf
+
+    experiment = HydraConfig.get().runtime.choices.get("experiment")
+    recipe = CONF_DIR / "experiment" / f"{experiment}.yaml"
+    sets = recipe.is_file() and OmegaConf.select(OmegaConf.load(recipe), "launcher.ranks") is not None
+    return f" (experiment={experiment} sets it)" if sets else ""
+
+
 def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan:
     """The composed config checked and turned into the job's DeepSpeed dict, for `world_size`
     ranks on `device` (default: the one trainer.device picks here): no files, no data, no
@@ -32,6 +61,7 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     config = load(cfg)
     device = device or detect_device(config.trainer.device)
     config.precision.dtype, precision_line = choose_precision(config.precision.dtype, device)
+    check_launcher_ranks(config, world_size)
     layout = layout_check(config, world_size)
     dp_size = layout.dp
     config.eval.check(dp_size)
@@ -40,6 +70,12 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     if config.trainer.compile is None:
         config.trainer.compile, compile_line = compile_by_default(config, device.type)
         notes += [compile_line] if compile_line else []
+    if config.pipeline.schedule != "none" and config.pipeline.stages == 1:
+        notes.append(
+            f"lmrepo: note: pipeline={config.pipeline.schedule} with pipeline.stages=1 is a one-stage pipeline: "
+            "one rank runs every layer and nothing overlaps (no bubble to measure); pipeline.stages=2 or more "
+            "splits the model"
+        )
     if dp_size == 1 and config.zero.stage > 0 and config.offload.target == "none" and config.tp.mode == "none":
         notes.append(
             f"lmrepo: note: zero=stage{config.zero.stage} over 1 data-parallel rank partitions nothing: it saves no "

@@ -19,9 +19,10 @@ from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.estimate import active_block_params, checkpointed_layers
 from lmrepo.evaluation import Downstream
 from lmrepo.evaluation.tasks import TaskSet
+from lmrepo.figures import read_metrics, run_figures
 from lmrepo.loggers import build_sinks
 from lmrepo.loop import StopRequest, Throughput, TrainState, fit
-from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, peak_tflops
+from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, machine_name, peak_tflops
 from lmrepo.nvme import use_per_run_swap
 from lmrepo.plan import Plan
 from lmrepo.rundir import check_unused, own, refuse, remove_if_empty, truncate_metrics, write_config_files, write_status
@@ -87,6 +88,27 @@ def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
         f"lmrepo: note: resuming at step {step} with {', '.join(changed)}: the learning rate follows the new "
         "schedule from this step"
     )
+
+
+def done_line(figures: dict, last: dict) -> str:
+    """The run's figures as the tables show them (lmrepo.figures), each named; then the last
+    record's downstream task metrics (eval.tasks)."""
+    parts = [f"loss {figures['loss']:.4g}" if figures["loss"] is not None else None]
+    if figures["eval_loss"] is not None:
+        parts.append(f"eval_loss {figures['eval_loss']:.4g}")
+    if figures["tokens_per_s"] is not None:
+        first, final = figures["steady_steps"]
+        low, high = figures["tokens_per_s_min"], figures["tokens_per_s_max"]
+        spread = f"windows {low:.0f}-{high:.0f}" if figures["windows"] > 1 else "one logging window"
+        parts.append(f"tokens/s {figures['tokens_per_s']:.0f} steady over steps {first}-{final} ({spread})")
+    if figures["tflops"] is not None:
+        parts.append(f"TFLOP/s {figures['tflops']:.4g}")
+    if figures["mfu"] is not None:
+        parts.append(f"MFU {figures['mfu']:.2%}")
+    if figures["mem_gb"] is not None:
+        parts.append(f"peak mem_gb {figures['mem_gb']:.3g}")
+    parts += [f"{k} {v:.4g}" for k, v in last.items() if k.startswith("eval/") and isinstance(v, float)]
+    return ", ".join(p for p in parts if p)
 
 
 def downstream_tasks(names: list[str]):
@@ -192,6 +214,12 @@ def train(cfg: DictConfig, job: Plan) -> dict:
         sinks.log({"step": step, "checkpoint_save_s": seconds, "checkpoint_sync_s": sync_s, "checkpoint_gb": size_gb})
 
     sinks = None
+    # What a comparison says about the run besides its config: the ranks and the machine.
+    setting = {
+        "ranks": dist.get_world_size(),
+        "machine": machine_name(job.device.type),
+        "device": job.device.description,
+    }
     try:
         engine = build_engine(job)
         data = engine_data(config, ds_config, engine, data_sources, tokenizer)
@@ -230,6 +258,11 @@ def train(cfg: DictConfig, job: Plan) -> dict:
             min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None,
             downstream=downstream,
         )
+        if rank0:
+            # The figures a comparison cites, from metrics.jsonl as compare.py reads it (lmrepo.figures):
+            # the done line, status.json and the W&B summary say what the tables say.
+            figures = run_figures(read_metrics(run_dir / "metrics.jsonl"))
+            sinks.summarize(figures)
     except (ConfigError, TrainingError) as err:
         if rank0:
             write_status(run_dir, "failed", started, error=str(err))
@@ -247,17 +280,19 @@ def train(cfg: DictConfig, job: Plan) -> dict:
         if sinks is not None:
             sinks.finish()
     if rank0:
-        summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float) and k != "time")
         if stopped:
-            write_status(run_dir, "stopped", started, final=last, signal=stopped)
+            write_status(run_dir, "stopped", started, final=last, summary=figures, setting=setting, signal=stopped)
             print(
                 f"lmrepo: {stopped} received: checkpoint saved at step {state.step} in {checkpoint_dir}. "
                 f"Resume with the same command plus run.dir={run_dir} run.resume=auto",
                 flush=True,
             )
         else:
-            write_status(run_dir, "completed", started, final=last)
-            print(f"lmrepo: done at step {last.get('step')}: {summary}. Run directory: {run_dir}", flush=True)
+            write_status(run_dir, "completed", started, final=last, summary=figures, setting=setting)
+            print(
+                f"lmrepo: done at step {last.get('step')}: {done_line(figures, last)}. Run directory: {run_dir}",
+                flush=True,
+            )
     dist.destroy_process_group()
     if run_lock is not None:
         run_lock.release()

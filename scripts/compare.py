@@ -1,4 +1,4 @@
-"""Compare finished runs: a markdown table (compare.md) and loss/throughput/memory plots.
+"""Compare finished runs: a markdown table (compare.md), what differs unasked, and plots.
 
 python scripts/compare.py multirun/2026-11-21/23-07-59          # a sweep: one row per job
 python scripts/compare.py outputs/a outputs/b --out reports/ab  # single runs side by side
@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from lmrepo.compare import CompareError, load_dirs, load_wandb, report, trials_report
+from lmrepo.compare import PLOTS, CompareError, load_dirs, load_wandb, report, trials_report
 
 
 def main() -> None:
@@ -34,10 +34,13 @@ def main() -> None:
             os._exit(2)
         raise SystemExit(2) from None
     out = args.out or args.dirs[0]
-    print(report(jobs, out), end="")
+    table, differences = report(jobs, out)
+    print(table, end="")
+    for line in differences:
+        print(f"compare: not like for like: {line}")
     studies = trials_report(args.dirs, out)  # a search's sweep dir (hparams_search=...): its trials too
     print("".join(studies), end="")
-    print(f"compare: wrote {out / 'compare.md'} and {4 + len(studies)} plots")
+    print(f"compare: wrote {out / 'compare.md'} and {len(PLOTS) + len(studies)} plots")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""The option reference page, generated from the typed schema.
+"""The pages generated from the config: the option reference (from the typed schema) and the
+tables of docs/sweeps.md (the recipes in conf/experiment/, the figures of lmrepo/figures.py).
 
 python scripts/options_reference.py            # print docs/reference/options.md as it should be
-python scripts/options_reference.py --write    # write it
+python scripts/options_reference.py --write    # write it, and docs/sweeps.md's generated tables
 """
 
 import sys
 
 from lmrepo.compose import compose_config
-from lmrepo.config.reference import OPTIONS_PAGE, markdown
+from lmrepo.config.reference import OPTIONS_PAGE, SWEEPS_PAGE, markdown, with_generated_tables
 
 
 def options_page() -> str:
@@ -18,6 +19,7 @@ def options_page() -> str:
 if __name__ == "__main__":
     if "--write" in sys.argv:
         OPTIONS_PAGE.write_text(options_page())
-        print(f"wrote {OPTIONS_PAGE}")
+        SWEEPS_PAGE.write_text(with_generated_tables(SWEEPS_PAGE.read_text()))
+        print(f"wrote {OPTIONS_PAGE} and the generated tables of {SWEEPS_PAGE}")
     else:
         print(options_page(), end="")

@@ -110,6 +110,11 @@ CASES = [
     # metrics, launcher, run, the user's JSON, unknown keys anywhere
     ("metrics.peak_tflops=-3", "metrics.peak_tflops=-3"),
     ("launcher.ranks=0", "launcher.ranks=0"),
+    # more ranks than this one process: the message names the launchers that start them
+    ("launcher.ranks=2", "add -m (python train.py -m ...), or start 2 ranks: torchrun --nproc-per-node 2"),
+    ("experiment=long_context", "launcher.ranks=2 (experiment=long_context sets it)"),
+    ("sequence_parallel.size=2", "or start 2 ranks: torchrun --nproc-per-node 2 train.py ..., deepspeed --num_gpus 2"),
+    ("pipeline=gpipe trainer.grad_accum=2", "python train.py -m launcher.ranks=2"),
     ("run.resumee=auto", "run.resumee"),
     ("deepspeed_config=/nonexistent/ds.json", "deepspeed_config=/nonexistent/ds.json"),
     ("foo=1", "foo"),
@@ -169,6 +174,50 @@ def test_a_bad_value_is_one_line_from_a_fresh_process_too(tmp_path):
         "lmrepo: error: trainer.micro_batch_size=2.5: Value '2.5' of type 'float' could not be converted to Integer"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_of_a_run_without_a_checkpoint_says_how_to_get_one(tmp_path):
+    """scripts/export_hf.py on a run directory that saved no checkpoint: the cause (no checkpoint)
+    and the way out (trainer.save_every), not a run.resume= the user never typed."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 10.0}\n')
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"lmrepo: error: {run_dir} holds no checkpoint: a run saves one with trainer.save_every=N (and at its "
+        "end); train with it, then export the run directory"
+    ]
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_global_batch_derives_the_accumulation_on_any_rank_count():
+    """trainer.global_batch_size set and trainer.grad_accum left out: the accumulation follows the
+    rank count (as DeepSpeed derives it from train_batch_size), so a run resumed on fewer ranks keeps
+    its global batch; a grad_accum given on the command line is still checked."""
+    from conftest import CPU, compose_config, validate
+    from lmrepo.errors import ConfigError
+
+    for ranks, accum in ((1, 4), (2, 2), (4, 1)):
+        ds, _ = validate(compose_config(["trainer.global_batch_size=32", "trainer.micro_batch_size=8"]), ranks, CPU)
+        assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (32, accum)
+    with pytest.raises(ConfigError, match="set trainer.grad_accum=4"):
+        validate(compose_config(["trainer.global_batch_size=32", "trainer.grad_accum=2"]), 1, CPU)
+
+
+def test_a_one_stage_pipeline_is_said():
+    from conftest import CPU, compose_config
+    from lmrepo.plan import plan
+
+    notes = plan(compose_config(["pipeline=gpipe", "pipeline.stages=1"]), 1, CPU).notes
+    assert any(
+        n.startswith("lmrepo: note: pipeline=gpipe with pipeline.stages=1 is a one-stage pipeline") for n in notes
+    )
+    assert not any("one-stage" in n for n in plan(compose_config(["pipeline=gpipe"]), 2, CPU).notes)
 
 
 def test_the_battery_covers_every_group():

@@ -162,7 +162,7 @@ def test_option_validates_or_names_mandatory_key(option, tmp_path):
             validate(cfg, world, GPU)
     else:
         ds, changed = validate(cfg, world, GPU)
-        assert changed == [] and ds["train_batch_size"] == 8 * cfg.trainer.grad_accum
+        assert changed == [] and ds["train_batch_size"] == 8 * (cfg.trainer.grad_accum or 1)  # null: 1
 
 
 def test_unknown_option_fails_at_compose_time():

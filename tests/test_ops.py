@@ -4,6 +4,7 @@ before a build, and no build a single-process run does not use."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,31 @@ def test_a_build_is_announced_before_it_compiles(tmp_path):
     first = next(line for line in proc.stderr.splitlines() if line.startswith("lmrepo:"))
     assert first.startswith("lmrepo: compiling DeepSpeed's deepspeed_shm_comm op"), proc.stderr[-2000:]
     assert "make setup OPS=shm" in first
+
+
+@pytest.mark.parametrize("age_s", [0, 7200], ids=["building", "stale"])
+def test_a_wait_on_another_build_says_so_plainly(tmp_path, age_s):
+    """Another process's build lock: a fresh one is that process building (another rank, another
+    job), said as such; only a lock older than any build suggests removing it. The process waits
+    until the lock goes, then builds (with a compiler that fails at once)."""
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    code = (
+        "from lmrepo import ops; ops.pin_builds(); ops.announce_builds()\n"
+        "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load(verbose=False)"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "false", "LOCAL_RANK": "0"}
+    proc = subprocess.Popen([PYTHON, "-c", code], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    note = next(line for line in proc.stderr if line.startswith("lmrepo:"))
+    lock.unlink()  # the other build ends
+    proc.communicate(timeout=600)
+    if age_s:
+        assert "min old" in note and f"left {lock}; remove it" in note
+    else:
+        assert note.startswith("lmrepo: another process is building DeepSpeed's deepspeed_shm_comm op")
+        assert "remove" not in note and "interrupted" not in note
 
 
 def test_builds_are_per_interpreter_with_its_own_ninja(tmp_path):

@@ -179,7 +179,7 @@ def test_pipeline_layout(overrides, world, device, expected):
         ds, _ = validate(cfg, world, device)
         assert (
             ds["train_batch_size"]
-            == cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * world // cfg.pipeline.stages
+            == cfg.trainer.micro_batch_size * (cfg.trainer.grad_accum or 1) * world // cfg.pipeline.stages
         )
         return
     with pytest.raises(ConfigError, match=expected):

@@ -92,7 +92,7 @@ def test_compare_tables_and_plots_the_trials(study, tmp_path):
         in trials
     )
     assert (tmp_path / "trials_lr_optuna.png").read_bytes().startswith(b"\x89PNG")
-    assert "and 5 plots" in proc.stdout
+    assert "and 6 plots" in proc.stdout  # five of the runs, one of the trials
     assert len([line for line in markdown.splitlines() if line.startswith("| ")]) == 1 + 3 + 1 + 3  # runs, trials
 
 

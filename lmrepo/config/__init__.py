@@ -22,6 +22,7 @@ from lmrepo.config.messages import describe_omegaconf_error
 from lmrepo.config.model import Family, ModelConfig
 from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunConfig
 from lmrepo.config.parallel import (
+    BLOCK_CLASSES,
     PIPELINE_FAMILIES,
     CheckpointingConfig,
     CheckpointingImpl,
@@ -245,9 +246,6 @@ def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:
                 f"tp.size={config.tp.size} does not divide the model's {count} {what}: change tp.size",
             )
     return ParallelLayout.of(config, world_size)
-
-
-BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
 
 
 def _pipeline_check(config: TrainConfig) -> None:

@@ -27,6 +27,14 @@ MOVED["pipeline.engine"] = (
 )
 
 
+def more_ranks(ranks: int) -> str:
+    """How to start `ranks` ranks, for a message about the rank count: the launchers a user types."""
+    return (
+        f"start {ranks} ranks: torchrun --nproc-per-node {ranks} train.py ..., deepspeed --num_gpus {ranks} "
+        f"train.py ..., or in a sweep python train.py -m launcher.ranks={ranks} ..."
+    )
+
+
 def _first_line(text: str) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else ""
 

@@ -65,7 +65,8 @@ class LauncherConfig:
     nodes: int = 1
     """nodes per job (hydra/launcher=slurm)"""
     objective: str = "eval_loss"
-    """what a sweep job returns to the sweeper: the last value metrics.jsonl logged for this key"""
+    """what a sweep job returns to the sweeper: the run's figure for this metrics.jsonl key as the tables show it
+    (tokens_per_s: steady; mem_gb: peak), else its last logged value"""
     objective_mode: ObjectiveMode = ObjectiveMode.min
     """min | max: which objective is best; returned as logged, so a search sweeper's direction must agree"""
 

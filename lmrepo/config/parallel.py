@@ -146,6 +146,7 @@ PIPELINE_ENGINES = {
 # OmegaConf matches an enum by member name, and "1f1b" is no Python identifier: the functional API.
 Schedule = StrEnum("Schedule", {name: name for name in PIPELINE_ENGINES})
 PIPELINE_FAMILIES = ("gpt2", "llama", "bert")
+BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
 # Schedules whose ranks hold several model chunks: looped placement (rank r: chunks r, r + stages, ...).
 LOOPED_SCHEDULES = ("interleaved", "interleaved_zb")
 # Schedules of two chunks per rank in a V (rank r: chunks r and 2 x stages - 1 - r), Qi et al.'s ZB-V
@@ -160,14 +161,21 @@ class PipelineConfig:
     (torch.distributed.pipelining)"""
     stages: int = 1
     """pipeline ranks; world = stages x data-parallel degree"""
-    partition: str = "parameters"
-    """parameters (balance parameter counts) | uniform (layer counts) | type:<layer class regex>"""
+    partition: str = "blocks"
+    """blocks (every stage an equal share of the transformer blocks) | parameters (balance parameter counts) |
+    uniform (layer counts) | type:<layer class regex>"""
     virtual_stages: int = 1
     """model chunks per rank: interleaved, interleaved_zb >= 2; zbv, dualpipev exactly 2"""
 
     @property
     def engine(self) -> str | None:
         return PIPELINE_ENGINES[self.schedule]
+
+    @property
+    def partition_method(self) -> str:
+        """What DeepSpeed's partitioner takes: `blocks` is a type: regex of every family's block
+        class (a model's layer list holds its own family's only)."""
+        return "type:" + "|".join(BLOCK_CLASSES.values()) if self.partition == "blocks" else self.partition
 
     def check(self) -> None:
         require(self.stages >= 1, f"pipeline.stages={self.stages} must be >= 1")
@@ -192,8 +200,8 @@ class PipelineConfig:
             f"pipeline={self.schedule} places exactly two chunks per rank in a V: set pipeline.virtual_stages=2",
         )
         require(
-            self.partition in ("parameters", "uniform") or self.partition.startswith("type:"),
-            f"pipeline.partition={self.partition} is not parameters, uniform or type:<layer class regex>",
+            self.partition in ("blocks", "parameters", "uniform") or self.partition.startswith("type:"),
+            f"pipeline.partition={self.partition} is not blocks, parameters, uniform or type:<layer class regex>",
         )
         if self.partition.startswith("type:"):
             try:

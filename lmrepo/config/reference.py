@@ -14,7 +14,8 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-HELP_WIDTH = 120  # columns of `python train.py --help`
+HELP_WIDTH = 120  # the widest `python train.py --help` gets: a wider terminal reads no better
+HELP_MIN_WIDTH = 60  # and the narrowest: below it a key and its type no longer share a line
 
 TECHNIQUE_GROUPS = (
     "engine",
@@ -107,6 +108,14 @@ def default_choices() -> dict[str, str]:
     }
 
 
+def help_width() -> int:
+    """The terminal's columns (COLUMNS, else the terminal on stdout, else 120), within
+    [HELP_MIN_WIDTH, HELP_WIDTH]."""
+    import shutil
+
+    return max(HELP_MIN_WIDTH, min(HELP_WIDTH, shutil.get_terminal_size((HELP_WIDTH, 24)).columns))
+
+
 def help_text(config: DictConfig) -> str:
     """`python train.py --help`: the groups and every key, with the values of this composition."""
     from lmrepo.config import TrainConfig
@@ -114,12 +123,25 @@ def help_text(config: DictConfig) -> str:
     choices = dict(default_choices())
     if "hydra" in config and OmegaConf.select(config, "hydra.runtime.choices") is not None:
         choices.update({k: str(v) for k, v in config.hydra.runtime.choices.items() if k in TECHNIQUE_GROUPS})
-    lines = [
-        "lmrepo: train GPT-2, BERT and Llama with DeepSpeed, every technique chosen by name.",
-        "",
-        "  python train.py [group=option ...] [key=value ...]      one job (CPU or one GPU)",
-        "  deepspeed --num_gpus N train.py ...                       N ranks",
-        "  python train.py -m zero=stage0,stage3 ...                 a sweep: one job per combination",
+    width = help_width()
+    lines = textwrap.wrap(
+        "lmrepo: train GPT-2, BERT, Llama and Mixtral-style MoE models with DeepSpeed or PyTorch FSDP2, "
+        "every technique chosen by name.",
+        width,
+    )
+    lines.append("")
+    usage = [
+        ("python train.py [group=option ...] [key=value ...]", "one job (CPU or one GPU)"),
+        ("torchrun --nproc-per-node N train.py ...", "N ranks (or deepspeed --num_gpus N train.py ...)"),
+        ("python train.py -m zero=stage0,stage3 ...", "a sweep: one job per combination"),
+    ]
+    column = max(len(command) for command, _ in usage) + 4
+    for command, what in usage:  # the meaning beside the command where it fits, else under it
+        if column + len(what) <= width:
+            lines.append(f"  {command:<{column - 2}}{what}")
+        else:
+            lines += [f"  {command}", *textwrap.wrap(what, width, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+    lines += [
         "",
         "== Groups: group=option (* = chosen) ==",
     ]
@@ -128,24 +150,26 @@ def help_text(config: DictConfig) -> str:
         named = ", ".join(o + ("*" if o == chosen else "") for o in options)
         lines += textwrap.wrap(
             f"{group:<15} {named}",
-            HELP_WIDTH,
+            width,
             initial_indent="  ",
             subsequent_indent=" " * 18,
             break_on_hyphens=False,
             break_long_words=False,
         )
-    lines += ["", "== Keys: key=value (type; value in this composition; meaning) =="]
+    lines += ["", "== Keys: key=value (type; value here; meaning) =="]
     table = [(key, kind, value_of(config, key), doc) for key, kind, doc, _ in rows(TrainConfig)]
-    width = max(len(key) for key, *_ in table)
+    # keys padded to one column, as wide as the longest key where the terminal leaves 40 columns
+    # for the rest; a longer key then has its type after two spaces, or on the next line
+    key_width = min(max(len(key) for key, *_ in table), width - 44)
     for key, kind, value, doc in table:
-        # one key a line; a meaning that would run past 120 columns goes on below, indented
+        # one key a line; a meaning that would run past the terminal's width goes on below, indented
         lines += textwrap.wrap(
-            f"{key:<{width}}  {kind}; {value or '-'}; {doc}",
-            HELP_WIDTH,
+            f"{key:<{key_width}}  {kind}; {value or '-'}; {doc}",
+            width,
             initial_indent="  ",
             subsequent_indent=" " * 8,
             break_on_hyphens=False,
-            break_long_words=False,
+            break_long_words=True,  # only a word wider than the terminal: an example value
         )
     lines += ["", "Hydra's own flags: python train.py --hydra-help"]
     return "\n".join(lines).replace("$", "$$")  # Hydra fills the template with string.Template
@@ -189,9 +213,73 @@ def markdown(config: DictConfig) -> str:
     return "\n".join(out) + "\n"
 
 
+def recipe_description(text: str) -> str:
+    """A recipe's first comment paragraph: its lines after `# @package`, up to the first example
+    command (a line indented past the `#`) or blank comment line."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#") or line.startswith("#   ") or not line[1:].strip():
+            if lines:
+                break
+            continue
+        if not line.startswith("# @package"):
+            lines.append(line[1:].strip())
+    return " ".join(lines)
+
+
+def recipes_table() -> str:
+    """docs/sweeps.md's table of conf/experiment/: each recipe's description (its YAML's first
+    comments), the grid it sweeps and what every job of it runs with."""
+    out = ["| recipe | what it is | jobs | each job |", "| --- | --- | --- | --- |"]
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        recipe = OmegaConf.load(path)
+        params = OmegaConf.select(recipe, "hydra.sweeper.params") or {}
+        grid = [f"`{key}={values}`" for key, values in params.items()]
+        count = 1
+        for values in params.values():
+            count *= len(str(values).split(","))
+        jobs = f"{count}: {' x '.join(grid)}" if grid else "1"
+        each = [f"`{k.removeprefix('override /')}={v}`" for d in recipe.get("defaults", []) for k, v in d.items()]
+        for key, unit in (
+            ("launcher.ranks", "ranks"),
+            ("trainer.max_steps", "steps"),
+            ("trainer.grad_accum", "micro-batches a step"),
+        ):
+            if (value := OmegaConf.select(recipe, key)) is not None:
+                each.append(f"{value} {unit}")
+        out.append(f"| `{path.stem}` | {recipe_description(path.read_text())} | {jobs} | {', '.join(each)} |")
+    return "\n".join(out) + "\n"
+
+
+def figures_table() -> str:
+    """docs/sweeps.md's table of what each figure of a comparison means (lmrepo.figures)."""
+    from lmrepo.figures import DEFINITIONS
+
+    rows = [f"| {column} | {meaning} |" for column, meaning in DEFINITIONS.items()]
+    return "\n".join(["| column | what it is |", "| --- | --- |", *rows]) + "\n"
+
+
+# docs/sweeps.md's generated tables, each between its markers: (name, what it is generated from, generator).
+GENERATED = (
+    ("recipes", "conf/experiment/", recipes_table),
+    ("figures", "lmrepo/figures.py", figures_table),
+)
+
+
+def with_generated_tables(page: str) -> str:
+    """`page` (docs/sweeps.md) with each generated table between its markers."""
+    for name, source, table in GENERATED:
+        begin = f"<!-- {name}: generated from {source} by python scripts/options_reference.py --write -->\n"
+        end = f"<!-- /{name} -->\n"
+        start, stop = page.index(begin) + len(begin), page.index(end)
+        page = page[:start] + table() + page[stop:]
+    return page
+
+
 def register_help_resolver() -> None:
     if not OmegaConf.has_resolver("lmrepo_help"):
         OmegaConf.register_new_resolver("lmrepo_help", lambda *, _root_: help_text(_root_))
 
 
 OPTIONS_PAGE = CONF_DIR.parent / "docs" / "reference" / "options.md"
+SWEEPS_PAGE = CONF_DIR.parent / "docs" / "sweeps.md"

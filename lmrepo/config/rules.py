@@ -516,7 +516,9 @@ RULES: list[Rule] = [
         ),
         NotYet("lm-eval requests run through the pipeline's stages"),
     ),
-    # --- checked on the final DeepSpeed dict (a user's JSON may set the stage, the optimizer)
+    # --- the model AutoTP is asked about, on a meta-device copy (before the layout: more ranks
+    # would not help); then the rows checked on the final DeepSpeed dict (a user's JSON may set the
+    # stage, the optimizer)
     Rule(
         ("autotp", "model family"),
         lambda j: on(j, "autotp") and _autotp_refusal(j) is not None,
@@ -525,7 +527,6 @@ RULES: list[Rule] = [
             "tp=none (ZeRO shards its states instead) or a model=llama-* preset"
         ),
         Upstream(DS, "module_inject/auto_tp.py refuses a model that has a kernel-injection policy (GPT-2, BERT)"),
-        final=True,
     ),
     Rule(
         ("ds_pipeline", "zero3"),

@@ -118,8 +118,8 @@ class TrainerConfig:
     """optimizer steps"""
     micro_batch_size: Optional[int] = 8
     """sequences per rank per forward pass"""
-    grad_accum: Optional[int] = 1
-    """micro batches per optimizer step"""
+    grad_accum: Optional[int] = None
+    """micro batches per optimizer step; null = 1, or derived from global_batch_size (as DeepSpeed derives it)"""
     global_batch_size: Optional[int] = None
     """sequences per optimizer step, all ranks; null = micro x accum x data-parallel ranks, set = checked"""
     grad_clip: float = 1.0

@@ -72,7 +72,11 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> DeepS
         layers=pipe.pipeline_layers(net, config.model.family),
         num_stages=layout.pp,
         loss_fn=pipe.LMLoss(config.model.family, net.config.vocab_size),
-        partition_method=config.pipeline.partition,
+        partition_method=config.pipeline.partition_method,
     )  # type:GPT2Block also matches GPT2BlockPipe
+    if dist.get_rank() == 0:
+        names = [getattr(spec, "typename", type(spec)).__name__ for spec in module._layer_specs]
+        if (note := pipe.balance_note(names, list(module.parts), config.pipeline.partition)) is not None:
+            print(note, flush=True)
     count_every_stage_in_clip_norm(module)
     return DeepSpeedPipelineEngine(initialize(module, ds_config), layout)

@@ -188,10 +188,13 @@ class TorchPipelineEngine:
         self.micro_batches = micro_batches
         self.loss, self.layer_specs = loss, layers
         # plain ints: DeepSpeed's partition gives numpy ints, which a weights-only load refuses
-        self.parts = [int(p) for p in partition(layers, self.stages * virtual, str(pipeline.partition))]
+        self.parts = [int(p) for p in partition(layers, self.stages * virtual, pipeline.partition_method)]
         self.placement = placement(pipeline.schedule, self.stages, virtual)
         if dist.get_rank() == 0:
             print_split(layers, self.parts, self.placement, pipeline.schedule, self.micro_batches)
+            names = [getattr(spec, "typename", type(spec)).__name__ for spec in layers]
+            if (note := pipe.balance_note(names, self.parts, pipeline.partition)) is not None:
+                print(note, flush=True)
 
         self.chunk_ids = [c for c, rank in enumerate(self.placement) if rank == self.stage_id]
         self.chunks = nn.ModuleList(

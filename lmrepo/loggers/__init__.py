@@ -23,6 +23,9 @@ class JsonlSink:
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
 
+    def summarize(self, figures: dict) -> None:
+        """metrics.jsonl is what the figures are computed from: nothing more to write."""
+
     def finish(self) -> None:
         self.file.close()
 
@@ -38,6 +41,9 @@ class TensorBoardSink:
             if key not in ("step", "time") and isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, record["step"])
 
+    def summarize(self, figures: dict) -> None:
+        """TensorBoard keeps scalars per step, no run summary: compare.py computes the figures."""
+
     def finish(self) -> None:
         self.writer.close()
 
@@ -51,6 +57,11 @@ class Sinks:
     def log(self, record: dict) -> None:
         for sink in self.sinks:
             sink.log(record)
+
+    def summarize(self, figures: dict) -> None:
+        """The run's figures (lmrepo.figures.run_figures) at its end, for the sinks that keep a summary."""
+        for sink in self.sinks:
+            sink.summarize(figures)
 
     def finish(self) -> None:
         for sink in self.sinks:

@@ -13,6 +13,8 @@ batch keeps its documents apart (data.cross_document_attention=false): each bloc
 transformers' per-document mask from the restarting position ids, as GPT2Model and LlamaModel do.
 """
 
+import re
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -258,3 +260,22 @@ def layer_class_names(family: str, n_layer: int) -> list[str]:
     if family == "llama":  # untied: the head is a NormPipe (tied, a LlamaEmbeddingPipe: no block either way)
         return ["LlamaEmbeddingPipe", *["LlamaLayerPipe"] * n_layer, "NormPipe", "NormPipe"]
     return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "NormPipe", "BertEmbeddingPipe", "BiasPipe"]
+
+
+def balance_note(names: list[str], parts: list[int], partition: str) -> str | None:
+    """A note when a split gives the stages unequal shares of the transformer blocks: a stage with
+    none pipelines no transformer work, which hides what the schedule does. Whether it is slower
+    depends on the model (a narrow model's LM head can outweigh its blocks): the note points at
+    the measured bubble. `names`: each pipeline layer's class name; `parts`: the stage boundaries."""
+    from lmrepo.config.parallel import BLOCK_CLASSES
+
+    block = re.compile("|".join(BLOCK_CLASSES.values()), re.IGNORECASE)
+    blocks = [sum(1 for name in names[a:b] if block.search(name)) for a, b in zip(parts, parts[1:])]
+    if min(blocks) > 0 and max(blocks) - min(blocks) <= 1:
+        return None
+    return (
+        f"lmrepo: note: pipeline.partition={partition} gives the {len(blocks)} stages "
+        f"{', '.join(map(str, blocks))} transformer blocks (a stage without one holds only the embedding or the "
+        "head); pipeline.partition=blocks gives each an equal share, and the metrics' bubble measures which "
+        "split balances the compute"
+    )
