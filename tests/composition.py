@@ -94,7 +94,7 @@ def overrides(*axes: str) -> list[str]:
     words = [w for w in words if not w.startswith("zero=stage")]
     if stages:
         stage = max(stages)
-        if "ds_pipeline" in axes:  # DeepSpeed's pipeline runs ZeRO-0 or 1 (offload: stage 1)
+        if "ds_pipeline" in axes and "zero3" not in axes:  # DeepSpeed's pipeline runs ZeRO-0 or 1 (offload: 1)
             stage = min(stage, 1)
         words.append(f"zero=stage{stage}")
     if "muon" in axes and stages and max(stages) > 0:

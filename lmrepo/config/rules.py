@@ -550,17 +550,6 @@ RULES: list[Rule] = [
         final=True,
     ),
     Rule(
-        ("torch_pipeline", "zero3"),
-        lambda j: on(j, "torch_pipeline") and j.stage != 0,
-        lambda j: (
-            f"{_torch_pipe(j)} supports ZeRO stage 0 only, not {j.stage}: set zero=stage0, or pipeline=1f1b for "
-            "DeepSpeed's pipeline with ZeRO-1"
-        ),
-        NotYet("pipeline stages sharded over their data-parallel ranks"),
-        pair=True,
-        final=True,
-    ),
-    Rule(
         ("torch_pipeline", "offload"),
         lambda j: (
             on(j, "torch_pipeline")
@@ -569,6 +558,17 @@ RULES: list[Rule] = [
         ),
         lambda j: f"{_torch_pipe(j)} does not offload: set offload=none, or pipeline=1f1b",
         NotYet("offloaded pipeline stages"),
+        pair=True,
+        final=True,
+    ),
+    Rule(
+        ("torch_pipeline", "zero3"),
+        lambda j: on(j, "torch_pipeline") and j.stage != 0,
+        lambda j: (
+            f"{_torch_pipe(j)} supports ZeRO stage 0 only, not {j.stage}: set zero=stage0, or pipeline=1f1b for "
+            "DeepSpeed's pipeline with ZeRO-1"
+        ),
+        NotYet("pipeline stages sharded over their data-parallel ranks"),
         pair=True,
         final=True,
     ),
@@ -667,12 +667,16 @@ def _is_muon(job: Job) -> bool:
 
 def check(job: Job) -> None:
     """The first row of the table that refuses this job, as its one line (ConfigError). Rows that
-    read the final DeepSpeed dict only when `job.ds` is given."""
-    for rule in RULES:
+    read the final DeepSpeed dict only when `job.ds` is given. A row that refuses a whole pair of
+    techniques speaks first: no other value would make that pair run, so a line about one of its
+    settings would only send the user round again."""
+    for rule in sorted(RULES, key=lambda rule: not rule.pair):
         if rule.final and job.ds is None:
             continue
         if rule.refuses(job):
-            raise ConfigError(rule.message(job))
+            refusal = ConfigError(rule.message(job))
+            refusal.rule = rule  # which row refused (tests/test_composition.py asks)
+            raise refusal
 
 
 def pair_rules() -> dict[frozenset, Rule]:
