@@ -12,6 +12,7 @@ Usage: composition_probe.py OUT_JSON CASES_JSON (a list of override lists)."""
 import gc
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def main(out_file: Path, cases_file: Path) -> None:
     attention = attention_functions()
     results = {}
     for words in cases:
-        name = " ".join(words)
+        name, started = " ".join(words), time.perf_counter()
         try:
             results[name] = run(words, out, tokenizer, sources)
         except ConfigError as err:
@@ -104,6 +105,7 @@ def main(out_file: Path, cases_file: Path) -> None:
         except Exception as err:  # noqa: BLE001 (one broken configuration must not hide the others' results)
             results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         reset_process_state(attention)
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)  # what the matrix costs, by case
         dist.barrier()
         if dist.get_rank() == 0:
             out_file.write_text(json.dumps(results, indent=1))  # as it goes: a hang still leaves the rest
