@@ -28,7 +28,7 @@ def main(out: Path, steps: int, overrides: list[str]) -> None:
     config, ds = job.config, job.ds_config
     init_distributed()
     set_seed(config.trainer.seed)
-    engine = build_engine(config, ds)
+    engine = build_engine(job)
     data = engine_data(config, ds, engine, sources, tokenizer)
 
     optimizer, scales = engine.ds.basic_optimizer, []

@@ -29,7 +29,7 @@ def run(out: Path, steps: int, overrides: list[str]) -> list[dict]:
     tokenizer, sources, _ = prepare_job(job, out)
     config, ds = job.config, job.ds_config
     set_seed(config.trainer.seed)
-    engine = build_engine(config, ds)
+    engine = build_engine(job)
     data = engine_data(config, ds, engine, sources, tokenizer)
     routers = [mlp.moe.deepspeed_moe.gate.wg.weight for mlp in engine.module.moe_layers()]
     grads: list[torch.Tensor] = []
