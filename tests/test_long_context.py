@@ -129,7 +129,6 @@ def test_sequence_parallel_config_and_refusals():
         (["model=llama-tiny", sp4, "model.n_kv_head=2"], 4, f"{sp4} does not divide the model's 2 key/value heads"),
         ([sp, "data.block_size=33"], 2, "sequence_parallel.size=2 does not divide data.block_size=33"),
         ([sp, "eval.tasks=[shakespeare_cloze]"], 2, "sequence_parallel.size=2: eval.tasks runs lm-eval on whole"),
-        ([sp, "trainer.compile=true"], 2, "sequence_parallel.size=2 is not tested with trainer.compile=true"),
         ([sp, "zero=stage3", "zero.reduce_scatter=true"], 2, "sequence_parallel.size=2 with zero=stage3 reduces"),
         ([sp, "zero=stage3", "zero.reduce_bucket_size=1000"], 2, f"{sp} with zero=stage3: the embedding's"),
         (["sequence_parallel.size=0"], 1, "sequence_parallel.size=0 must be >= 1"),

@@ -337,13 +337,6 @@ RULES: list[Rule] = [
         NotYet("lm-eval on a sequence-parallel model"),
     ),
     Rule(
-        ("sequence_parallel", "compile"),
-        lambda j: on(j, "sequence_parallel", "compile"),
-        lambda j: f"{_sp(j)} is not tested with trainer.compile=true: set it to false, {SP_OFF}",
-        NotYet("Ulysses' all-to-all inside a compiled block"),
-        pair=True,
-    ),
-    Rule(
         ("sequence_parallel", "zero3"),
         lambda j: on(j, "sequence_parallel") and _c(j).zero.stage == 3 and _c(j).zero.reduce_scatter is True,
         lambda j: (
