@@ -120,6 +120,26 @@ def _c(job: Job):
     return job.config
 
 
+PIPELINES = ("ds_pipeline", "torch_pipeline")
+
+
+def _with_pipelines(
+    technique: str,
+    message: Callable[[Job], str],
+    reason: "Upstream | NotYet",
+    refuses: Callable[[Job, str], bool] | None = None,
+    final: bool = False,
+) -> list["Rule"]:
+    """A technique neither pipeline engine takes: one row per pipeline (each pair refused by its
+    own row) with the same message and reason. `refuses(job, pipeline)` where the technique is
+    read otherwise than by its axis (Muon: from the final DeepSpeed dict)."""
+    refuses = refuses or (lambda j, pipe: on(j, technique, pipe))
+    return [
+        Rule((technique, pipe), lambda j, pipe=pipe: refuses(j, pipe), message, reason, pair=True, final=final)
+        for pipe in PIPELINES
+    ]
+
+
 DS = "DeepSpeed 0.19.8"
 TORCH = "torch 2.13"
 FSDP_OTHER = "or choose engine=deepspeed"
@@ -272,25 +292,13 @@ RULES: list[Rule] = [
         lambda j: f"{_tiles(j)} tiles a causal LM's loss, not model.family=bert's masked one: set trainer.loss_tiles=1",
         NotYet("a tiled masked-LM loss"),
     ),
-    Rule(
-        ("tiled_loss", "ds_pipeline"),
-        lambda j: on(j, "tiled_loss", "ds_pipeline"),
+    *_with_pipelines(
+        "tiled_loss",
         lambda j: (
             f"{_tiles(j)} does not combine with pipeline={_c(j).pipeline.schedule} (its last stage computes the "
             "loss in the pipeline's layer list): set trainer.loss_tiles=1"
         ),
         NotYet("the tiled loss as the pipeline's last stage"),
-        pair=True,
-    ),
-    Rule(
-        ("tiled_loss", "torch_pipeline"),
-        lambda j: on(j, "tiled_loss", "torch_pipeline"),
-        lambda j: (
-            f"{_tiles(j)} does not combine with pipeline={_c(j).pipeline.schedule} (its last stage computes the "
-            "loss in the pipeline's layer list): set trainer.loss_tiles=1"
-        ),
-        NotYet("the tiled loss as the pipeline's last stage"),
-        pair=True,
     ),
     # --- sequence parallelism (Ulysses)
     Rule(
@@ -306,19 +314,10 @@ RULES: list[Rule] = [
         NotYet("Ulysses attention under fully_shard"),
         pair=True,
     ),
-    Rule(
-        ("sequence_parallel", "ds_pipeline"),
-        lambda j: on(j, "sequence_parallel", "ds_pipeline"),
+    *_with_pipelines(
+        "sequence_parallel",
         lambda j: f"{_sp(j)} does not combine with a pipeline: choose pipeline=none, {SP_OFF}",
         NotYet("sequence-parallel groups inside pipeline stages"),
-        pair=True,
-    ),
-    Rule(
-        ("sequence_parallel", "torch_pipeline"),
-        lambda j: on(j, "sequence_parallel", "torch_pipeline"),
-        lambda j: f"{_sp(j)} does not combine with a pipeline: choose pipeline=none, {SP_OFF}",
-        NotYet("sequence-parallel groups inside pipeline stages"),
-        pair=True,
     ),
     Rule(
         ("sequence_parallel", "autotp"),
@@ -397,25 +396,13 @@ RULES: list[Rule] = [
         ),
         Upstream(DS, "ZeRO-0's clip_grad_norm_ reduces the expert norm over the data-parallel group only"),
     ),
-    Rule(
-        ("moe", "ds_pipeline"),
-        lambda j: on(j, "moe", "ds_pipeline"),
+    *_with_pipelines(
+        "moe",
         lambda j: (
             f"model.family=mixtral with pipeline={_c(j).pipeline.schedule}: DeepSpeed-MoE layers are not split "
             "into pipeline stages here; choose pipeline=none"
         ),
         NotYet("MoE layers as pipeline stages"),
-        pair=True,
-    ),
-    Rule(
-        ("moe", "torch_pipeline"),
-        lambda j: on(j, "moe", "torch_pipeline"),
-        lambda j: (
-            f"model.family=mixtral with pipeline={_c(j).pipeline.schedule}: DeepSpeed-MoE layers are not split "
-            "into pipeline stages here; choose pipeline=none"
-        ),
-        NotYet("MoE layers as pipeline stages"),
-        pair=True,
     ),
     Rule(
         ("moe", "autotp"),
@@ -458,37 +445,17 @@ RULES: list[Rule] = [
         pair=True,
     ),
     # --- tensor parallelism (AutoTP), pipelines, compile
-    Rule(
-        ("autotp", "ds_pipeline"),
-        lambda j: on(j, "autotp", "ds_pipeline"),
+    *_with_pipelines(
+        "autotp",
         lambda j: "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none",
         NotYet("AutoTP groups inside pipeline stages"),
-        pair=True,
     ),
-    Rule(
-        ("autotp", "torch_pipeline"),
-        lambda j: on(j, "autotp", "torch_pipeline"),
-        lambda j: "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none",
-        NotYet("AutoTP groups inside pipeline stages"),
-        pair=True,
-    ),
-    Rule(
-        ("compile", "ds_pipeline"),
-        lambda j: on(j, "compile", "ds_pipeline"),
+    *_with_pipelines(
+        "compile",
         lambda j: (
             f"trainer.compile=true is not supported with pipeline={_c(j).pipeline.schedule}: set trainer.compile=false"
         ),
         NotYet("compiled pipeline stages"),
-        pair=True,
-    ),
-    Rule(
-        ("compile", "torch_pipeline"),
-        lambda j: on(j, "compile", "torch_pipeline"),
-        lambda j: (
-            f"trainer.compile=true is not supported with pipeline={_c(j).pipeline.schedule}: set trainer.compile=false"
-        ),
-        NotYet("compiled pipeline stages"),
-        pair=True,
     ),
     # --- in-loop downstream evaluation (eval.tasks)
     Rule(
@@ -573,26 +540,14 @@ RULES: list[Rule] = [
         final=True,
     ),
     # --- Muon (DeepSpeed's, lmrepo's role split)
-    Rule(
-        ("muon", "ds_pipeline"),
-        lambda j: _is_muon(j) and on(j, "ds_pipeline"),
+    *_with_pipelines(
+        "muon",
         lambda j: (
             "optimizer=muon runs on DeepSpeed's engine without a pipeline (each stage would need its own "
             f"Muon/AdamW split and checkpoint layout, not offered yet): choose pipeline=none, {MUON_OTHER}"
         ),
         NotYet("a Muon/AdamW split per pipeline stage"),
-        pair=True,
-        final=True,
-    ),
-    Rule(
-        ("muon", "torch_pipeline"),
-        lambda j: _is_muon(j) and on(j, "torch_pipeline"),
-        lambda j: (
-            "optimizer=muon runs on DeepSpeed's engine without a pipeline (each stage would need its own "
-            f"Muon/AdamW split and checkpoint layout, not offered yet): choose pipeline=none, {MUON_OTHER}"
-        ),
-        NotYet("a Muon/AdamW split per pipeline stage"),
-        pair=True,
+        refuses=lambda j, pipe: _is_muon(j) and on(j, pipe),
         final=True,
     ),
     Rule(
