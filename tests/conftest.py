@@ -7,6 +7,7 @@ tokenized once.
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -340,3 +341,18 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
     )
+
+
+def summary_rows(stdout: str) -> dict[str, dict]:
+    """The sweep launcher's closing table, by job number: {"0": {"overrides": ..., "status": ...}}
+    (cells apart by two spaces or more; an empty last cell as "")."""
+    lines = stdout.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("job  "))
+    header = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 1 :]:
+        if not line.startswith("#"):
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0][1:]] = dict(zip(header, cells + [""] * (len(header) - len(cells))))
+    return rows

@@ -9,13 +9,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import set_seed
+from probe_job import start_job
 
-from lmrepo.compose import compose_config
-from lmrepo.engines import build_engine
-from lmrepo.launch import init_distributed, world_size
-from lmrepo.plan import plan
-from lmrepo.run import engine_data, prepare_job
+from lmrepo.launch import init_distributed
 
 
 def squares(tensors) -> torch.Tensor:
@@ -23,13 +19,8 @@ def squares(tensors) -> torch.Tensor:
 
 
 def main(out: Path, steps: int, overrides: list[str]) -> None:
-    job = plan(compose_config(overrides, run_dir=out), world_size())
-    tokenizer, sources, _ = prepare_job(job, out)
-    config, ds = job.config, job.ds_config
     init_distributed()
-    set_seed(config.trainer.seed)
-    engine = build_engine(job)
-    data = engine_data(config, ds, engine, sources, tokenizer)
+    _, engine, data = start_job(overrides, out)
 
     optimizer, scales = engine.ds.basic_optimizer, []
     optimizer_step = optimizer.step

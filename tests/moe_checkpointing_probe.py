@@ -9,13 +9,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import set_seed
+from probe_job import start_job
 
-from lmrepo.compose import compose_config
-from lmrepo.engines import build_engine
-from lmrepo.launch import init_distributed, world_size
-from lmrepo.plan import plan
-from lmrepo.run import engine_data, prepare_job
+from lmrepo.launch import init_distributed
 
 CHECKPOINTING = {
     "none": ["checkpointing=none"],
@@ -25,12 +21,7 @@ CHECKPOINTING = {
 
 
 def run(out: Path, steps: int, overrides: list[str]) -> list[dict]:
-    job = plan(compose_config(overrides, run_dir=out), world_size())
-    tokenizer, sources, _ = prepare_job(job, out)
-    config, ds = job.config, job.ds_config
-    set_seed(config.trainer.seed)
-    engine = build_engine(job)
-    data = engine_data(config, ds, engine, sources, tokenizer)
+    _, engine, data = start_job(overrides, out)
     routers = [mlp.moe.deepspeed_moe.gate.wg.weight for mlp in engine.module.moe_layers()]
     grads: list[torch.Tensor] = []
     for router in routers:  # the gradient once accumulated, before clipping and the step

@@ -10,14 +10,11 @@ import sys
 from pathlib import Path
 
 import torch
+from probe_job import start_job
 from transformers import set_seed
 
-from lmrepo.compose import compose_config
-from lmrepo.engines import build_engine
-from lmrepo.launch import init_distributed, prepare_argv, world_size
+from lmrepo.launch import init_distributed, prepare_argv
 from lmrepo.models import build_model
-from lmrepo.plan import plan
-from lmrepo.run import engine_data, prepare_job
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
@@ -87,13 +84,9 @@ def reference_losses(cfg, batches_per_step: list) -> tuple[list[float], dict]:
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    job = plan(compose_config(overrides, run_dir=out), world_size())
-    tokenizer, sources, _ = prepare_job(job, out)
-    cfg, ds = job.config, job.ds_config
     init_distributed()
-    set_seed(cfg.trainer.seed)
-    engine = build_engine(job)
-    data = engine_data(cfg, ds, engine, sources, tokenizer)
+    job, engine, data = start_job(overrides, out)
+    cfg = job.config
     steps = [data.train_step(step) for step in range(cfg.trainer.max_steps)]
     ours = [engine.train_step(batches).item() for batches in steps]
     theirs, weights = reference_losses(cfg, steps)

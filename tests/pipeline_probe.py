@@ -8,25 +8,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from probe_job import start_job
 from transformers import set_seed
 
-from lmrepo.compose import compose_config
-from lmrepo.engines import build_engine
 from lmrepo.engines.base import pipeline_inputs
-from lmrepo.launch import init_distributed, prepare_argv, world_size
+from lmrepo.launch import init_distributed, prepare_argv
 from lmrepo.models import build_model
-from lmrepo.plan import plan
-from lmrepo.run import engine_data, prepare_job
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    job = plan(compose_config(overrides, run_dir=out), world_size())
-    tokenizer, sources, _ = prepare_job(job, out)
-    cfg, ds = job.config, job.ds_config
     init_distributed()
-    set_seed(cfg.trainer.seed)
-    lmrepo_engine = build_engine(job)
-    data = engine_data(cfg, ds, lmrepo_engine, sources, tokenizer)
+    job, lmrepo_engine, data = start_job(overrides, out)
+    cfg = job.config
     batches = data.train_step(0)
 
     engine = lmrepo_engine.ds  # DeepSpeed's PipelineEngine

@@ -4,12 +4,11 @@ jobs refused before training."""
 
 import json
 import os
-import re
 import subprocess
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics
+from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, summary_rows
 
 COMPARE = str(REPO / "scripts" / "compare.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -51,20 +50,6 @@ def table_rows(markdown: str) -> list[dict]:
     lines = [line for line in markdown.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split(" | ")]
     return [dict(zip(header, (cell.strip() for cell in line.strip("|").split(" | ")))) for line in lines[2:]]
-
-
-def summary_rows(stdout: str) -> dict[str, dict]:
-    """The sweep's closing table by job number (cells apart by two spaces or more)."""
-    lines = stdout.splitlines()
-    start = max(i for i, line in enumerate(lines) if line.startswith("job  "))
-    header = re.split(r"\s{2,}", lines[start].strip())
-    rows = {}
-    for line in lines[start + 1 :]:
-        if not line.startswith("#"):
-            break
-        cells = re.split(r"\s{2,}", line.strip())
-        rows[cells[0][1:]] = dict(zip(header, cells))
-    return rows
 
 
 def steady(records: list[dict]) -> tuple[float, float, float]:

@@ -6,7 +6,6 @@ environment mapping."""
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,21 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY, assert_ok, compose_config, env_without_wandb_key, read_metrics
-
-
-def summary_rows(stdout: str) -> dict[str, dict]:
-    """The launcher's closing table, by job number: {"0": {"overrides": ..., "status": ...}}."""
-    lines = stdout.splitlines()
-    start = max(i for i, line in enumerate(lines) if line.startswith("job  "))
-    header = re.split(r"\s{2,}", lines[start].strip())
-    rows = {}
-    for line in lines[start + 1 :]:
-        if not line.startswith("#"):
-            break
-        cells = re.split(r"\s{2,}", line.strip())
-        rows[cells[0][1:]] = dict(zip(header, cells + [""] * (len(header) - len(cells))))
-    return rows
+from conftest import PYTHON, REPO, TINY, assert_ok, compose_config, env_without_wandb_key, read_metrics, summary_rows
 
 
 def last_value(run_dir: Path, key: str) -> float:
