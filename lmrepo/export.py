@@ -78,11 +78,11 @@ def consolidate(source: str) -> Consolidated:
     if "config" not in states:
         raise ConfigError(f"{directory / tag} was not written by lmrepo: no config to rebuild the model from")
     tp = states["config"].get("tp") or {}
-    if tp.get("mode") == "auto":
+    if tp.get("mode") == "auto" and states.get("engine") != "fsdp2":  # DCP joins FSDP2's tp slices
         raise ConfigError(
-            f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank saved "
-            "its own slice of the weights and lmrepo does not join them: export or evaluate a tp=none run "
-            "(eval.tasks evaluates a tp=auto run during training, on its live engine)"
+            f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank of DeepSpeed's "
+            "AutoTP saved its own slice of the weights and lmrepo does not join them: export or evaluate a tp=none "
+            "or engine=fsdp2 run (eval.tasks evaluates a tp=auto run during training, on its live engine)"
         )
     model_cfg = from_dict(ModelConfig, states["config"]["model"])
     family = FAMILIES[model_cfg.family]

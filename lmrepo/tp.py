@@ -1,12 +1,26 @@
-"""Tensor parallelism as DeepSpeed's AutoTP does it, asked before any process group starts.
+"""Tensor parallelism (tp=auto), asked before any process group starts: whether the engine can
+split this model.
 
-AutoTP shards a Hugging Face model two ways: by the `tp_plan` transformers ships for some
-families (Llama, ...), else by DeepSpeed's own parser, which finds the row-parallel linears of
-each block. The parser refuses models it has a kernel-injection policy for (GPT-2). Both are
-pure functions of the module structure, so a model on the meta device answers for the real one.
+- engine=deepspeed: DeepSpeed's AutoTP shards a Hugging Face model two ways: by the `tp_plan`
+  transformers ships for some families (Llama, ...), else by DeepSpeed's own parser, which finds
+  the row-parallel linears of each block. The parser refuses models it has a kernel-injection
+  policy for (GPT-2).
+- engine=fsdp2: torch's ColwiseParallel and RowwiseParallel on the linears the plan transformers
+  ships names (`base_model_tp_plan`: Llama's q/k/v/gate/up by columns, o/down by rows). GPT-2 and
+  BERT ship none (GPT-2's fused `c_attn` holds q, k and v in one matrix: split by columns, a rank
+  would get q and half of k).
+
+Both are pure functions of the module structure, so a model on the meta device answers for the
+real one.
 """
 
 import torch
+
+# The styles of transformers' plans that torch's ColwiseParallel / RowwiseParallel compute as
+# written: each rank's q/k/v columns are whole heads, and transformers' Llama attention views its
+# projections as (-1, head_dim), so it runs on the local heads unchanged.
+TORCH_STYLES = ("colwise", "rowwise")
+BLOCKS = "layers.*."  # the prefix of a plan's entries inside the decoder blocks
 
 
 def autotp_refusal(model: torch.nn.Module) -> str | None:
@@ -42,3 +56,14 @@ def count_every_shard_in_the_norm(ds_engine) -> None:
 
 def _mark_shard_gradient(param: torch.nn.Parameter) -> None:
     param.grad.tensor_model_parallel = True
+
+
+def block_tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The linears of each transformer block that engine=fsdp2 splits, by their name inside the
+    block ("self_attn.q_proj": "colwise"): transformers' `base_model_tp_plan` when it has only
+    entries inside the blocks in the styles torch computes as written; {} for a model it has none for."""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    inside = {name.removeprefix(BLOCKS): style for name, style in plan.items() if name.startswith(BLOCKS)}
+    if len(inside) != len(plan) or any(style not in TORCH_STYLES for style in inside.values()):
+        return {}
+    return inside

@@ -16,6 +16,7 @@ import os
 import pickle
 import subprocess
 
+import composition
 import pytest
 import torch
 
@@ -144,7 +145,8 @@ def test_fsdp2_export_gives_the_runs_logits(launch2, tmp_path):
         (["offload=cpu", "offload.params=false"], "drop offload.params=false"),
         (["precision=fp16"], "choose precision=bf16"),
         (["pipeline=1f1b"], "choose pipeline=none"),
-        (["model=llama-tiny", "tp=auto"], "choose tp=none"),
+        (["tp=auto"], "GPT2LMHeadModel has none here: choose a model=llama-* preset, or tp=none"),
+        (["model=bert-tiny", "tp=auto"], "BertForMaskedLM has none here"),
         (["deepspeed_config=ds.json"], "drop it, or choose engine=deepspeed"),
         (["model.zero_init=true"], "model.zero_init is DeepSpeed's zero.Init"),
         (["checkpointing=full", "checkpointing.partition_activations=true"], "checkpointing.partition_activations"),
@@ -221,24 +223,83 @@ def test_generate_runs_on_an_fsdp2_run(launch2, tmp_path):
     assert result["prompt"] == "ROMEO:" and isinstance(result["text"], str)
 
 
-@pytest.mark.distributed
-def test_hsdp_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(tmp_path):
-    """engine.replicate=2 on 4 ranks: 2 replicas, each sharding the model over 2 ranks (FSDP2 on a
-    replicate x shard mesh), trains as FSDP2 sharding over all 4 (the same global batch): fp32
-    losses and gradient norms of 3 AdamW steps within the rounding of another reduction order
+def probe(out, ranks: int, cases: list[list[str]]) -> dict:
+    """Each job's losses and gradient norms by its overrides (tests/composition_probe.py: the ranks
+    start once for all of them)."""
+    (out / "cases.json").write_text(json.dumps(cases))
+    words = [str(REPO / "tests" / "composition_probe.py"), str(out / "out.json"), str(out / "cases.json")]
+    proc = subprocess.run([*launcher(ranks), *words], cwd=out, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "out.json").read_text())
+    return {tuple(words): results[composition.case_name(words)] for words in cases}
+
+
+# On 4 ranks, composition's base job (a tiny Llama of 4 heads and 2 key/value heads, fp32, a
+# constant rate, clipping active) with its global batch of 4 sequences: FSDP2 over all 4 ranks (one
+# sequence each), HSDP (2 replicas x 2 shards) and tensor parallelism (2 data x 2 tensor-parallel
+# ranks, two sequences per data-parallel rank), in one launch.
+FSDP2_4 = (*composition.overrides("fsdp2"), "trainer.micro_batch_size=1")
+HSDP_4 = (*FSDP2_4, "engine.replicate=2")
+TP_4 = tuple(composition.overrides("fsdp2", "autotp"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    return probe(tmp_path_factory.mktemp("four_ranks"), 4, [list(FSDP2_4), list(HSDP_4), list(TP_4)])
+
+
+def assert_trains_as(ours: dict, theirs: dict, later_norms: bool = True) -> None:
+    """fp32 losses of every step and gradient norms within the rounding of another reduction order
     (tests/test_composition.py's FP32 tolerances: the reasons are there)."""
-    import composition
     from test_composition import FP32, close
 
-    fsdp2 = [*composition.overrides("fsdp2"), "trainer.micro_batch_size=1"]  # the global batch of 4 over 4 ranks
-    cases = [fsdp2, [*fsdp2, "engine.replicate=2"]]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    probe = [str(REPO / "tests" / "composition_probe.py"), str(tmp_path / "out.json"), str(tmp_path / "cases.json")]
-    proc = subprocess.run([*launcher(4), *probe], cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "out.json").read_text())
-    sharded, hsdp = (results[composition.case_name(words)] for words in cases)
-    assert "losses" in hsdp, hsdp
-    for step, (ours, theirs) in enumerate(zip(hsdp["losses"], sharded["losses"])):
-        assert close(ours, theirs, FP32["loss"]), (step, hsdp, sharded)
-    assert close(hsdp["grad_norms"][0], sharded["grad_norms"][0], FP32["first_norm"]), (hsdp, sharded)
+    assert "losses" in ours, ours
+    for step, (loss, reference) in enumerate(zip(ours["losses"], theirs["losses"], strict=True)):
+        assert close(loss, reference, FP32["loss"]), (step, ours, theirs)
+    assert close(ours["grad_norms"][0], theirs["grad_norms"][0], FP32["first_norm"]), (ours, theirs)
+    if later_norms:
+        for step, (norm, reference) in enumerate(zip(ours["grad_norms"][1:], theirs["grad_norms"][1:]), 1):
+            assert close(norm, reference, FP32["norm"]), (step, ours, theirs)
+
+
+@pytest.mark.distributed
+def test_hsdp_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks):
+    """engine.replicate=2 on 4 ranks: 2 replicas, each sharding the model over 2 ranks (FSDP2 on a
+    replicate x shard mesh), trains as FSDP2 sharding over all 4 (the same global batch)."""
+    assert_trains_as(four_ranks[HSDP_4], four_ranks[FSDP2_4], later_norms=False)
+
+
+@pytest.mark.distributed
+def test_fsdp2_tensor_parallel_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks):
+    """engine=fsdp2 tp=auto on 4 ranks: torch's Colwise/RowwiseParallel in every block over 2
+    tensor-parallel ranks, fully_shard over the 2 data-parallel ones (a data x tensor mesh), trains
+    as FSDP2 sharding over all 4. Its gradient norm, logged and clipped by, is the whole model's:
+    one that left out a tensor-parallel rank's shards would be far outside the first norm's 1e-4."""
+    assert_trains_as(four_ranks[TP_4], four_ranks[FSDP2_4])
+
+
+@pytest.mark.distributed
+def test_fsdp2_tensor_parallel_equals_one_process_and_exports_whole(tmp_path):
+    """engine=fsdp2 tp=auto on 2 ranks (data 1 x tensor 2: both ranks read the same samples) against
+    one unsharded process on the same global batch: fp32, clipping at every step (norms 1.4-2 over
+    a clip of 0.5), a constant rate. Losses of every step within the FP32 loss tolerance, the first
+    gradient norm within 1e-4, the later ones 2e-3 (tests/test_composition.py says why). Its DCP
+    checkpoints joined in one process (scripts/export_hf.py's consolidation: DCP reshards the 2-D
+    sharded slices into whole tensors) are the one process's weights by norm (NORM_STEPS, as their
+    gradient norms agree); slices joined wrongly or left out are off by their whole size."""
+    from test_composition import FP32
+
+    from lmrepo.export import consolidate
+
+    llama = [*TINY, "model=llama-tiny", "model.n_kv_head=2", "model.n_inner=128", "trainer.save_every=3"]
+    job = [*llama, "trainer.grad_clip=0.5", "schedule=constant", "schedule.warmup_steps=0"]
+    sharded, one = tmp_path / "tp2", tmp_path / "one"
+    assert_ok(run_train([*job, "engine=fsdp2", "tp=auto"], sharded, ranks=2))
+    assert_ok(run_train(job, one))
+    assert_close(lines(sharded, "loss"), lines(one, "loss"), FP32["loss"], "losses")
+    norms = [lines(run_dir, "grad_norm") for run_dir in (sharded, one)]
+    assert_close(norms[0][1], norms[1][1], FP32["first_norm"], "the first gradient norm")
+    assert_close(norms[0], norms[1], FP32["norm"], "gradient norms")
+    for tag in ("step_00000003", "step_00000006"):
+        weights = [consolidate(str(run_dir / "checkpoints" / tag)).model.state_dict() for run_dir in (sharded, one)]
+        assert_close(*weights, NORM_STEPS, f"weights at {tag}")

@@ -19,7 +19,8 @@ class EngineConfig:
     are refused in one line (lmrepo/engines/fsdp2.py says what each becomes under FSDP2)."""
 
     name: EngineName = EngineName.deepspeed
-    """deepspeed (ZeRO 0-3, offload, pipelines, AutoTP) | fsdp2 (PyTorch FSDP2: fully_shard per block)"""
+    """deepspeed (ZeRO 0-3, offload, pipelines, AutoTP) | fsdp2 (PyTorch FSDP2: fully_shard per block; tp=auto
+    with torch's tensor-parallel styles)"""
     replicate: int = 1
     """fsdp2: HSDP, the data-parallel ranks as this many replicas, each sharding the model over the rest"""
 
@@ -230,7 +231,8 @@ class TPMode(StrEnum):
 @dataclass
 class TPConfig:
     mode: TPMode = TPMode.none
-    """none | auto (DeepSpeed AutoTP training: each layer's matrices split over tp.size ranks)"""
+    """none | auto (each layer's matrices split over tp.size ranks: DeepSpeed's AutoTP, or torch's
+    tensor-parallel styles under engine=fsdp2)"""
     size: int = 1
     """tensor-parallel ranks per group; world = size x data-parallel ranks"""
 

@@ -38,7 +38,7 @@ AXES: dict[str, Axis] = {
     "offload": Axis("CPU/NVMe offload", lambda c: str(c.offload.target) != "none", ("offload=cpu", "zero=stage2")),
     "ds_pipeline": Axis("DeepSpeed pipeline", _pipeline("deepspeed"), ("pipeline=1f1b", "pipeline.stages=2")),
     "torch_pipeline": Axis("torch pipeline", _pipeline("torch"), ("pipeline=gpipe", "pipeline.stages=2")),
-    "autotp": Axis("AutoTP", lambda c: str(c.tp.mode) == "auto", ("tp=auto", "tp.size=2")),
+    "autotp": Axis("tensor parallel", lambda c: str(c.tp.mode) == "auto", ("tp=auto", "tp.size=2")),
     "sequence_parallel": Axis(
         "sequence parallel", lambda c: c.sequence_parallel.size > 1, ("sequence_parallel.size=2",)
     ),
@@ -225,13 +225,6 @@ RULES: list[Rule] = [
             f"ranks (not offered yet): choose optimizer=adamw, {FSDP_OTHER}"
         ),
         NotYet("gathering each sharded matrix for the orthogonalisation"),
-        pair=True,
-    ),
-    Rule(
-        ("fsdp2", "autotp"),
-        lambda j: on(j, "fsdp2", "autotp"),
-        lambda j: f"engine=fsdp2 with tensor parallelism (a 2-D mesh) is not offered: choose tp=none, {FSDP_OTHER}",
-        NotYet("torch tensor-parallel styles on a data x tensor mesh under fully_shard"),
         pair=True,
     ),
     Rule(
@@ -444,7 +437,7 @@ RULES: list[Rule] = [
         NotYet("Muon over DeepSpeed-MoE's expert parameter groups"),
         pair=True,
     ),
-    # --- tensor parallelism (AutoTP), pipelines, compile
+    # --- tensor parallelism (AutoTP; torch's styles under engine=fsdp2), pipelines, compile
     *_with_pipelines(
         "autotp",
         lambda j: "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none",
@@ -476,17 +469,26 @@ RULES: list[Rule] = [
         ),
         NotYet("lm-eval requests run through the pipeline's stages"),
     ),
-    # --- the model AutoTP is asked about, on a meta-device copy (before the layout: more ranks
-    # would not help); then the rows checked on the final DeepSpeed dict (a user's JSON may set the
-    # stage, the optimizer)
+    # --- the model AutoTP (under engine=fsdp2: transformers' tensor-parallel plan) is asked about,
+    # on a meta-device copy (before the layout: more ranks would not help); then the rows checked
+    # on the final DeepSpeed dict (a user's JSON may set the stage, the optimizer)
     Rule(
         ("autotp", "model family"),
-        lambda j: on(j, "autotp") and _autotp_refusal(j) is not None,
+        lambda j: on(j, "autotp") and not on(j, "fsdp2") and _autotp_refusal(j) is not None,
         lambda j: (
             f'tp=auto: DeepSpeed\'s AutoTP refuses {_autotp_refusal(j)[0]} ("{_autotp_refusal(j)[1]}"): use '
             "tp=none (ZeRO shards its states instead) or a model=llama-* preset"
         ),
         Upstream(DS, "module_inject/auto_tp.py refuses a model that has a kernel-injection policy (GPT-2, BERT)"),
+    ),
+    Rule(
+        ("fsdp2", "autotp", "model family"),
+        lambda j: on(j, "fsdp2", "autotp") and _torch_tp_refusal(j) is not None,
+        lambda j: (
+            f"engine=fsdp2 with tp=auto splits the linears of transformers' tensor-parallel plan, and "
+            f"{_torch_tp_refusal(j)} has none here: choose a model=llama-* preset, or tp=none"
+        ),
+        NotYet("torch tensor-parallel plans for GPT-2 (its fused c_attn) and BERT; transformers 5.23 ships none"),
     ),
     Rule(
         ("ds_pipeline", "zero3"),
@@ -607,6 +609,18 @@ def _autotp_refusal(job: Job) -> tuple[str, str] | None:
         refusal = autotp_refusal(model)
         job._autotp = None if refusal is None else (type(model).__name__, refusal)
     return job._autotp
+
+
+def _torch_tp_refusal(job: Job) -> str | None:
+    """The model class when engine=fsdp2 has no tensor-parallel plan for it (lmrepo.tp.block_tp_plan),
+    asked on a meta-device model; None when it has one."""
+    if not hasattr(job, "_torch_tp"):
+        from lmrepo.estimate import meta_model
+        from lmrepo.tp import block_tp_plan
+
+        model = meta_model(_c(job).model)
+        job._torch_tp = None if block_tp_plan(model) else type(model).__name__
+    return job._torch_tp
 
 
 def _is_muon(job: Job) -> bool:

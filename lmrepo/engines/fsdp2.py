@@ -7,11 +7,16 @@ then the root). What the groups mean here:
 - precision=bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded
   parameters, as DeepSpeed's bf16 keeps fp32 masters; fp32: no policy.
 - offload=cpu: CPUOffloadPolicy (sharded parameters, gradients and optimizer states in CPU memory).
+- tp=auto tp.size=N: tensor parallelism on a (data x tensor) mesh, torchtitan's order: in each
+  block the linears of transformers' tensor-parallel plan split by torch's ColwiseParallel (q, k,
+  v, gate, up) and RowwiseParallel (o, down) over the tp ranks, then the rest below, then
+  fully_shard over the data-parallel ranks. Embeddings, norms and the LM head stay whole on every
+  rank of a tp group.
 - checkpointing=full|every_n: the blocks recompute with torch.utils.checkpoint (non-reentrant).
 - trainer.compile: each block torch.compile'd before it is sharded.
 - optimizer, schedule, trainer.grad_clip: torch's Adam/AdamW with lmrepo's parameter groups,
   DeepSpeed's own LR scheduler classes (the `scheduler` section lmrepo builds), the global norm
-  clipped over every shard.
+  clipped over every shard of every mesh dimension.
 - checkpoints: torch.distributed.checkpoint (DCP), one file per rank, resharded on load to any
   rank count; the client state in `mp_rank_00_model_states.pt` as DeepSpeed's engines write it.
 The rest is refused before launch (lmrepo.config.fsdp2_check).
@@ -24,8 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lmrepo import safe_load
 from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, TrainConfig
@@ -36,6 +43,7 @@ from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model
 from lmrepo.schedules import build_scheduler
+from lmrepo.tp import block_tp_plan
 
 CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
 
@@ -64,23 +72,25 @@ class FSDP2Engine:
         offload: bool,
         device: torch.device,
         layout: ParallelLayout,
+        mesh: DeviceMesh,
     ):
         self.device = device
         self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
         # FSDP shards over the data-parallel ranks; with replicas (HSDP) over the ranks of one replica,
-        # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard)
-        mesh = layout.mesh(device.type)
-        mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard).
+        # The ranks of a tp group each shard their own slices (and their copies of the rest) over them.
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        # The ranks that read different samples, for lm-eval to deal documents over (a tp group's
+        # ranks score the same ones); None: every rank reads its own.
+        self.data_group = (dp_mesh._flatten() if dp_mesh.ndim > 1 else dp_mesh).get_group() if layout.tp > 1 else None
         policy = {
-            "mesh": mesh,
+            "mesh": dp_mesh,
             "reshard_after_forward": reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if bf16
             else MixedPrecisionPolicy(),
             "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
         }
-        if not offload:
-            model.to(device)
         for block in transformer_blocks(model):
             fully_shard(block, **policy)
         # The root holds the embeddings, the final norm and the (tied) LM head.
@@ -122,12 +132,12 @@ class FSDP2Engine:
             loss = self.module(**to_device(batch, self.device)).loss
             (loss / len(batches)).backward()
             losses.append(loss.detach().float())
-        # The global norm before clipping (torchtitan's way: the sharded norm made whole first).
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        # The global norm before clipping, over every shard of every mesh dimension.
+        groups = by_mesh([p for p in self.module.parameters() if p.grad is not None])
+        norm = global_grad_norm(groups)
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+            for params in groups:
+                torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
         self.last_grad_norm = norm.detach()  # read back only when a metrics line asks for it
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -190,6 +200,41 @@ class FSDP2Engine:
         self.global_steps = states["global_steps"]
         engine_keys = {"module", "engine", "global_steps", "lr_scheduler"}
         return {k: v for k, v in states.items() if k not in engine_keys}
+
+
+def by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """The parameters grouped by the mesh their gradients live on, in the model's order (the same
+    on every rank). With tensor parallelism the split linears' gradients are sharded on the data x
+    tensor mesh, the rest's on the data mesh alone, and torch's norm takes one mesh at a time
+    ("All operands in aten.stack.default must have the same mesh")."""
+    groups: dict = {}
+    for param in params:
+        groups.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
+    return list(groups.values())
+
+
+def global_grad_norm(groups: list[list[torch.nn.Parameter]]) -> torch.Tensor:
+    """The 2-norm of every gradient of the model, as one process would compute it: each mesh's
+    norm made whole (torchtitan's way: full_tensor reduces the squares over the sharded dimensions),
+    then the meshes' norms combined. A tensor every rank of a tp group holds whole counts once:
+    each rank adds its own (equal) copy to its own norm."""
+    norms = []
+    for params in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def parallelize_blocks(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism, applied before anything else touches the blocks: in each block the
+    linears transformers' plan names (lmrepo.tp.block_tp_plan) split over the tp ranks, column-wise
+    (q, k, v, gate, up: each rank computes its own heads and MLP columns; their input's gradient
+    all-reduced in backward) or row-wise (o, down: the partial sums all-reduced). What goes in and
+    out of them stays a plain tensor, so transformers' attention runs on the local heads."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = block_tp_plan(model)
+    for block in transformer_blocks(model):
+        parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in plan.items()})
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):
@@ -256,8 +301,15 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     from lmrepo.ds_config import batch_of
 
     device = torch.device(get_accelerator().current_device_name())
+    mesh = layout.mesh(device.type)
     tiles = config.trainer.loss_tiles
     model = build_model(config.model, loss_tiles=tiles if tiles > 1 else None)
+    offload = config.offload.target == OffloadTarget.cpu
+    if not offload:
+        model.to(device)
+    # torchtitan's order: tensor parallelism, activation checkpointing, compile, then fully_shard
+    if layout.tp > 1:
+        parallelize_blocks(model, mesh["tp"])
     enable_activation_checkpointing(model, config.checkpointing)
     if config.trainer.compile:
         isolate_compile_cache()
@@ -271,9 +323,10 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
         batch_of(ds_config)[2],
         reshard_after_forward=config.zero.stage == 3,
         bf16=config.precision.dtype == "bf16",
-        offload=config.offload.target == OffloadTarget.cpu,
+        offload=offload,
         device=device,
         layout=layout,
+        mesh=mesh,
     )
 
 

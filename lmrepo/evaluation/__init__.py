@@ -114,7 +114,10 @@ class Downstream:
         self.settings, self.tasks, self.run_dir = settings, tasks, run_dir
         self.module = engine.module
         ds = getattr(engine, "ds", None)  # DeepSpeed's engine; FSDP2's has none
-        group = ds.mpu.get_data_parallel_group() if ds is not None and ds.autotp_size() > 1 else None
+        if ds is not None:
+            group = ds.mpu.get_data_parallel_group() if ds.autotp_size() > 1 else None
+        else:
+            group = getattr(engine, "data_group", None)  # FSDP2 with tp=auto: its data-parallel ranks
         self.lm = LmrepoLM(self.module, tokenizer, settings.batch_size, engine.device, group)
 
     def due(self, step: int, max_steps: int) -> bool:
