@@ -157,9 +157,10 @@ def test_zero2_pipeline_refused_before_launch(tmp_path):
         (["pipeline=interleaved", "pipeline.virtual_stages=4", "trainer.grad_accum=2"], 2, CPU, "8 pipeline stages"),
         (["pipeline=1f1b", "zero=stage2"], 2, CPU, "supports ZeRO stage 0 or 1, not 2"),
         (["pipeline=1f1b", "zero=stage3"], 2, CPU, "supports ZeRO stage 0 or 1, not 3"),
-        (["pipeline=gpipe", "zero=stage1"], 2, CPU, "supports ZeRO stage 0 only"),
+        (["pipeline=gpipe", "zero=stage1"], 2, CPU, "runs DeepSpeed's ZeRO stage 0 only"),
         (["pipeline=gpipe", "offload=cpu", "zero=stage0"], 2, CPU, "optimizer offload to cpu needs ZeRO stage >= 1"),
         (["pipeline=gpipe", "precision=fp16"], 2, GPU, "runs fp32 or bf16"),
+        (["pipeline=gpipe", "engine=fsdp2", "offload=cpu"], 2, CPU, "does not offload: set offload=none$"),
         (["pipeline=1f1b_torch", "trainer.grad_accum=1"], 2, CPU, "at least as many micro-batches as stages"),
         (["pipeline=interleaved", "trainer.grad_accum=1"], 2, CPU, "at least as many micro-batches as stages"),
         (["pipeline=interleaved", "trainer.grad_accum=5"], 2, CPU, "multiple of the 2 rounds"),
@@ -184,6 +185,16 @@ def test_pipeline_layout(overrides, world, device, expected):
         return
     with pytest.raises(ConfigError, match=expected):
         validate(cfg, world, device)
+
+
+def test_micro_batches_of_a_derived_grad_accum_count_per_replica():
+    """trainer.grad_accum=null: the micro-batches a schedule gets are what the global batch makes
+    on the data-parallel ranks of the layout (16 sequences, 4 per micro batch, 1 replica: 4), not 1."""
+    overrides = ["pipeline=1f1b_torch", "trainer.global_batch_size=16", "trainer.micro_batch_size=4"]
+    ds, _ = validate(compose_config([*overrides, "trainer.grad_accum=null"]), 2, CPU)
+    assert ds["gradient_accumulation_steps"] == 4
+    with pytest.raises(ConfigError, match="trainer.grad_accum=1 < pipeline.stages=2"):
+        validate(compose_config([*overrides, "trainer.global_batch_size=8"]), 4, CPU)
 
 
 def test_pipeline_engine_key_is_gone():

@@ -69,7 +69,7 @@ def test_placement_looped_and_v():
         (["pipeline=interleaved_zb", "pipeline.virtual_stages=1"], 2, "virtual_stages >= 2"),
         (["pipeline=interleaved_zb", "trainer.grad_accum=5"], 2, "multiple of the 2 rounds"),
         (["pipeline=zbv", "pipeline.stages=4"], 4, "pipeline.stages=4 x pipeline.virtual_stages=2 = 8"),
-        (["pipeline=zbv", "zero=stage1"], 2, "supports ZeRO stage 0 only"),
+        (["pipeline=zbv", "zero=stage1"], 2, "runs DeepSpeed's ZeRO stage 0 only"),
         (["pipeline=dualpipev", "trainer.grad_accum=4", "model=llama-tiny", "tp=auto", "tp.size=2"], 4, "tp=auto"),
     ],
 )

@@ -245,7 +245,22 @@ def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:
                 count % config.tp.size == 0,
                 f"tp.size={config.tp.size} does not divide the model's {count} {what}: change tp.size",
             )
-    return ParallelLayout.of(config, world_size)
+    layout = ParallelLayout.of(config, world_size)
+    if config.pipeline.schedule != "none":
+        _micro_batch_check(config, _micro_batches(config, layout.dp))
+    return layout
+
+
+def _micro_batches(config: TrainConfig, dp: int) -> int:
+    """A step's micro-batches per replica: trainer.grad_accum, or what the global batch makes it on
+    `dp` data-parallel ranks (grad_accum=null)."""
+    from lmrepo.ds_config import resolve_batch
+
+    trainer = config.trainer
+    try:
+        return resolve_batch(trainer.global_batch_size, trainer.micro_batch_size, trainer.grad_accum, dp)[2]
+    except ConfigError:  # a batch that does not add up is refused later, in its own words
+        return trainer.grad_accum or 1
 
 
 def _pipeline_check(config: TrainConfig) -> None:
@@ -274,7 +289,10 @@ def _pipeline_check(config: TrainConfig) -> None:
             f"pipeline.partition={pipe.partition} matches {matched} layers, fewer than the {chunks} "
             f"pipeline stages: use type:{BLOCK_CLASSES[model.family]}",
         )
-    micro_batches = config.trainer.grad_accum or 1
+
+
+def _micro_batch_check(config: TrainConfig, micro_batches: int) -> None:
+    pipe, chunks = config.pipeline, config.pipeline.stages * config.pipeline.virtual_stages
     if pipe.schedule in ("1f1b_torch", "interleaved"):
         require(
             micro_batches >= pipe.stages,

@@ -150,6 +150,8 @@ PIPELINE_FAMILIES = ("gpt2", "llama", "bert")
 BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
 # Schedules whose ranks hold several model chunks: looped placement (rank r: chunks r, r + stages, ...).
 LOOPED_SCHEDULES = ("interleaved", "interleaved_zb")
+# the schedules that split a backward into its input- and weight-gradient halves
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 # Schedules of two chunks per rank in a V (rank r: chunks r and 2 x stages - 1 - r), Qi et al.'s ZB-V
 # and DeepSeek's DualPipeV: the first and last chunk on one rank.
 V_SCHEDULES = ("zbv", "dualpipev")

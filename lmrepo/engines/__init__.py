@@ -10,10 +10,10 @@ from lmrepo.engines.base import Engine
 def build_engine(job) -> Engine:
     """The engine a planned job (lmrepo.plan.Plan) asks for."""
     config = job.config
-    if config.engine.name == "fsdp2":
-        from lmrepo.engines import fsdp2 as module
-    elif config.pipeline.engine == "torch":
+    if config.pipeline.engine == "torch":  # under engine=fsdp2 too: each stage fully_shard'ed
         from lmrepo.engines import torch_pipeline as module
+    elif config.engine.name == "fsdp2":
+        from lmrepo.engines import fsdp2 as module
     elif config.pipeline.engine == "deepspeed":
         from lmrepo.engines import deepspeed_pipeline as module
     else:

@@ -79,7 +79,7 @@ class FSDP2Engine:
         # FSDP shards over the data-parallel ranks; with replicas (HSDP) over the ranks of one replica,
         # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard).
         # The ranks of a tp group each shard their own slices (and their copies of the rest) over them.
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        dp_mesh = data_mesh(layout, mesh)
         # The ranks that read different samples, for lm-eval to deal documents over (a tp group's
         # ranks score the same ones); None: every rank reads its own.
         self.data_group = (dp_mesh._flatten() if dp_mesh.ndim > 1 else dp_mesh).get_group() if layout.tp > 1 else None
@@ -200,6 +200,12 @@ class FSDP2Engine:
         self.global_steps = states["global_steps"]
         engine_keys = {"module", "engine", "global_steps", "lr_scheduler"}
         return {k: v for k, v in states.items() if k not in engine_keys}
+
+
+def data_mesh(layout: ParallelLayout, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh fully_shard shards over: the data-parallel ranks, or with replicas (HSDP) the
+    replicate x shard mesh (each shard replicated across the replicas)."""
+    return mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
 
 
 def by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

@@ -20,9 +20,21 @@ wherever they exist, so both paths train the same model the same way:
   to bf16 rounding, not bit for bit;
 - checkpoints: DeepSpeed's pipeline layout (layer_NN-model_states.pt per layer, NN the layer index, the client state
   in mp_rank_00_model_states.pt) plus torch_pipe_rank_<rank, 5 digits>_optim_states.pt per rank.
-ZeRO, offload and fp16 are not supported (preflight.check_deepspeed refuses them up front).
+
+engine=fsdp2 shards each stage over its data-parallel ranks (a pipeline x data mesh, or pipeline x
+replicate x shard: HSDP), torchtitan's way: each transformer block, then each chunk, fully_shard'ed
+(zero=stage3: parameters resharded after each micro-batch's forward; stage2: kept gathered). torch's
+PipelineStage holds FSDP's gradient reduce-scatter back to the last micro-batch's backward. The
+gradients are then shards, averaged over the data-parallel ranks by FSDP; the steps above run on
+them, the norm's squares summed over the shards' ranks too. Checkpoints keep the same files, with
+whole tensors (gathered over the data-parallel ranks on save, sliced again on load), so a run
+resumes on another data-parallel size, or without FSDP2. bf16 stays torch.autocast over fp32
+weights, as without FSDP2 (no MixedPrecisionPolicy), so the two agree within fp32 rounding.
+
+DeepSpeed's ZeRO, offload and fp16 are not supported (the rules table refuses them up front).
 """
 
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +49,8 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelinePa
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -47,6 +61,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmrepo import safe_load
 from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
@@ -147,6 +162,66 @@ def print_split(layers: list, parts: list[int], ranks: list[int], schedule: str,
             print(f"    {index:2d}: {layers[index].typename.__name__}")
 
 
+# --- FSDP2 over each stage (engine=fsdp2) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageSharding:
+    """How engine=fsdp2 shards the stages: over `mesh` (the data-parallel ranks of a stage, or its
+    replicate x shard mesh), each module of `blocks` (transformer blocks) an FSDP unit of its own."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+    blocks: frozenset
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The ranks one gradient's shards are spread over (HSDP: within a replica)."""
+        return (self.mesh["dp_shard"] if self.mesh.ndim > 1 else self.mesh).get_group()
+
+
+def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Parameter]:
+    """fully_shard each block of this rank's chunks, then each chunk (its embeddings, norms, head).
+    A parameter two chunks of this rank share (a V placement's tied embedding: the first and the
+    last chunk) stays whole, ignored by FSDP (one parameter cannot belong to two FSDP units): it is
+    returned, its gradient averaged over the data-parallel ranks as without FSDP2."""
+    owners: dict[int, int] = {}
+    for chunk in chunks:
+        for param in chunk.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    shared = [p for p in chunks.parameters() if owners[id(p)] > 1]
+    policy = {
+        "mesh": sharding.mesh,
+        "reshard_after_forward": sharding.reshard_after_forward,
+        "ignored_params": set(shared),
+    }
+    for chunk in chunks:
+        for module in chunk.modules():
+            if module in sharding.blocks:
+                fully_shard(module, **policy)
+        fully_shard(chunk, **policy)
+    return shared
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a tensor: its shard of a DTensor (the same storage), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(state: dict) -> dict:
+    """A state dict with every DTensor gathered whole (a collective over its mesh: every rank of the
+    stage calls it, in the same order)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def sliced_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor as a DTensor placed as `like` (this rank's slice taken locally: every rank
+    holds the whole), or `value` itself where `like` is not a DTensor."""
+    if not isinstance(like, DTensor) or value.shape != like.shape:
+        return value
+    return distribute_tensor(value.to(local(like).device), like.device_mesh, like.placements, src_data_rank=None)
+
+
 # --- the engine ----------------------------------------------------------------------------
 
 
@@ -178,6 +253,7 @@ class TorchPipelineEngine:
         micro_batches: int,
         bf16: bool,
         layout: ParallelLayout,
+        sharding: StageSharding | None = None,
     ):
         self.device = torch.device(get_accelerator().current_device_name())
         self.stages, virtual = layout.pp, pipeline.virtual_stages
@@ -202,6 +278,11 @@ class TorchPipelineEngine:
         )
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
         non_reentrant_checkpointing(self.chunks)
+        self.sharding = sharding
+        # parameters every data-parallel rank holds whole: all of them without FSDP2
+        self.whole_params = shard_chunks(self.chunks, sharding) if sharding else list(self.chunks.parameters())
+        if sharding and dist.get_rank() == 0:
+            print(f"FSDP2: each stage fully_shard'ed over its {self.dp} data-parallel ranks", flush=True)
         self.schedule, stages = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
         self.timeline = Timeline()  # this rank's actions of the last training step
         watch_torch_stages(self.timeline, self.schedule, stages)
@@ -359,7 +440,8 @@ class TorchPipelineEngine:
         self.last_bubble = bubble.item() / self.stages
 
     def _gradients(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.chunks.parameters() if p.grad is not None]
+        """This rank's gradients: the shards of them under FSDP2 (in place, they change the DTensors)."""
+        return [local(p.grad) for p in self.chunks.parameters() if p.grad is not None]
 
     def _scale_gradients(self) -> None:
         """The micro-batch losses are means: the step's gradient is the mean of theirs (div_, as the
@@ -370,12 +452,14 @@ class TorchPipelineEngine:
     def _reduce_gradients(self) -> None:
         # The first and last stage hold copies of the tied embedding: each copy gets the sum of
         # both gradients (the gradient of the one matrix of the unsplit model).
+        # Under FSDP2 the copies' shards: the ranks of a tied group share a data-parallel index, so the same slice.
         for group, param, _ in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
-        if self.dp > 1:
-            grads = self._gradients()
+            dist.all_reduce(local(param.grad), group=group)
+        # FSDP2 has averaged its shards over the data-parallel ranks; the whole tensors are averaged here.
+        grads = [p.grad for p in self.whole_params if p.grad is not None]
+        if self.dp > 1 and grads:
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
             flat /= self.dp
@@ -386,12 +470,12 @@ class TorchPipelineEngine:
         """The global norm over the whole model (every stage), each tied matrix counted once; the
         coefficient of torch's and DeepSpeed's clip_grad_norm_."""
         copies = {id(param) for _, param, owner in self.tied if not owner}
-        squares = [
-            p.grad.detach().float().pow(2).sum()
-            for p in self.chunks.parameters()
-            if p.grad is not None and id(p) not in copies
-        ]
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        counted = [p.grad for p in self.chunks.parameters() if p.grad is not None and id(p) not in copies]
+        total = self._squares([g for g in counted if not isinstance(g, DTensor)])
+        if self.sharding is not None:  # each shard's squares, summed over the ranks holding the others
+            shards = self._squares([local(g) for g in counted if isinstance(g, DTensor)])
+            dist.all_reduce(shards, group=self.sharding.shard_group)
+            total = total + shards
         dist.all_reduce(total, group=self.grid.pp_proc_group)
         self.last_grad_norm = total.sqrt().item()
         if max_norm <= 0:  # 0: clipping off, the norm still logged
@@ -399,6 +483,10 @@ class TorchPipelineEngine:
         coefficient = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
         for grad in self._gradients():
             grad.mul_(coefficient)
+
+    def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        squares = [g.detach().float().pow(2).sum() for g in grads]
+        return torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
 
     # --- checkpoints (DeepSpeed's pipeline layout)
 
@@ -422,17 +510,22 @@ class TorchPipelineEngine:
                 },
                 directory / "mp_rank_00_model_states.pt",
             )
-        if self.grid.get_data_parallel_rank() == 0:  # the replicas hold the same weights
-            for index, layer in self._saved_layers():
-                torch.save(layer.state_dict(), directory / f"layer_{index:02d}-model_states.pt")
-        torch.save(
-            {
-                "stage": self.stage_id,
-                "optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(),
-            },
-            directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt",
-        )
+        # The replicas hold the same weights: the first writes them. Under FSDP2 every rank of the
+        # stage gathers its shards into whole tensors (collectives), and the first writes them.
+        writer = self.grid.get_data_parallel_rank() == 0
+        for index, layer in self._saved_layers():
+            if writer or self.sharding is not None:
+                state = whole(layer.state_dict())
+                if writer:
+                    torch.save(state, directory / f"layer_{index:02d}-model_states.pt")
+        optimizer = self.optimizer.state_dict()
+        if self.sharding is not None:
+            optimizer["state"] = {i: whole(state) for i, state in sorted(optimizer["state"].items())}
+        if writer or self.sharding is None:
+            torch.save(
+                {"stage": self.stage_id, "optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict()},
+                directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt",
+            )
         dist.barrier()
 
     def finish_save(self) -> None:
@@ -450,15 +543,22 @@ class TorchPipelineEngine:
         for index, layer in self.layers.items():
             owner = tied_owner(self.layer_specs, index)
             target = layer.module if is_tied_copy(self.layer_specs[index]) else layer
-            target.load_state_dict(
-                safe_load.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device)
-            )
+            saved = safe_load.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device)
+            mine = target.state_dict()
+            target.load_state_dict({k: sliced_like(v, mine[k]) if k in mine else v for k, v in saved.items()})
         # The replicas' optimizer states are equal: replica 0's file of this stage serves any data-parallel size.
         saved_rank = self.stage_id * states["dp_world_size"]
         optim = safe_load.load(
             directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device
         )
-        self.optimizer.load_state_dict(optim["optimizer"])
+        optimizer = optim["optimizer"]
+        if self.sharding is not None:  # whole tensors on file: each state sliced as its parameter
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            optimizer["state"] = {
+                i: {k: sliced_like(v, params[i]) if torch.is_tensor(v) else v for k, v in state.items()}
+                for i, state in optimizer["state"].items()
+            }
+        self.optimizer.load_state_dict(optimizer)
         self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
         self.global_steps = states["global_steps"]
         engine_keys = {"module", "global_steps", "dp_world_size", "mp_world_size", "torch_pipeline_parts"}
@@ -473,6 +573,12 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
     enable_activation_checkpointing(net, config.checkpointing, {})  # the blocks checkpoint themselves
     layers = pipe.pipeline_layers(net, config.model.family)
     loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
+    sharding = None
+    if config.engine.name == "fsdp2":
+        from lmrepo.engines.fsdp2 import data_mesh, transformer_blocks
+
+        mesh = layout.mesh(get_accelerator().device_name())
+        sharding = StageSharding(data_mesh(layout, mesh), config.zero.stage == 3, frozenset(transformer_blocks(net)))
     return TorchPipelineEngine(
         layers,
         loss,
@@ -483,4 +589,5 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
         batch_of(ds_config)[2],
         config.precision.dtype == "bf16",
         layout,
+        sharding,
     )
