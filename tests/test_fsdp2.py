@@ -245,11 +245,25 @@ HSDP_4 = (*FSDP2_4, "engine.replicate=2")
 TP_4 = tuple(composition.overrides("fsdp2", "autotp"))
 PP_4 = (*composition.overrides("fsdp2", "torch_pipeline"), "trainer.micro_batch_size=1")
 PP_1F1B_4 = (*PP_4, "pipeline=1f1b_torch", "zero=stage2", "checkpointing=full")
+PP_TP_4 = (*composition.overrides("fsdp2", "torch_pipeline", "autotp"), "trainer.micro_batch_size=1")
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory) -> dict:
+    """FSDP2 over 8 ranks and the two 3-D layouts, one sequence per micro batch, in one launch."""
+    batch = ["trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
+    cases = {
+        "flat": [*composition.overrides("fsdp2"), *batch],
+        "replicas": [*composition.overrides("fsdp2", "torch_pipeline"), *batch, "engine.replicate=2"],
+        "tensor": [*composition.overrides("fsdp2", "torch_pipeline", "autotp"), *batch],
+    }
+    results = probe(tmp_path_factory.mktemp("eight_ranks"), 8, list(cases.values()))
+    return {name: results[tuple(words)] for name, words in cases.items()}
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> dict:
-    cases = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_1F1B_4]
+    cases = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_1F1B_4, PP_TP_4]
     return probe(tmp_path_factory.mktemp("four_ranks"), 4, [list(case) for case in cases])
 
 
@@ -284,26 +298,28 @@ def test_fsdp2_tensor_parallel_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_rank
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("pipeline", [PP_4, PP_1F1B_4], ids=["gpipe", "1f1b-checkpointed-stage2"])
+@pytest.mark.parametrize(
+    "pipeline", [PP_4, PP_1F1B_4, PP_TP_4], ids=["gpipe", "1f1b-checkpointed-stage2", "gpipe-tensor-parallel"]
+)
 def test_fsdp2_pipeline_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks, pipeline):
     """engine=fsdp2 with a torch pipeline on 4 ranks: 2 stages, each fully_shard'ed over its 2
-    data-parallel ranks (a pipeline x data mesh), trains as FSDP2 over all 4. The gradient norm is
+    data-parallel ranks (a pipeline x data mesh), or each block split over 2 tensor-parallel ranks
+    (pipeline x tensor), trains as FSDP2 over all 4. The gradient norm is
     summed over both stages and both shards: one stage's or one shard's alone is off by far more
     than the first norm's 1e-4 (stage 0's alone: 0.89 of the whole, shared/DESIGN.md)."""
     assert_trains_as(four_ranks[pipeline], four_ranks[FSDP2_4])
 
 
 @pytest.mark.distributed
-def test_three_dimensions_pipeline_replicas_and_shards_on_8_ranks_equal_fsdp2_over_8(tmp_path):
-    """The 3-D layout on 8 ranks: 2 pipeline stages x 2 replicas x 2 shards (HSDP inside each
-    stage), against FSDP2 over all 8, on the same global batch of 8 sequences (one launch; measured:
-    losses 2e-7 apart, first norms 6e-6). The norm is summed over the shards and the stages, not
-    over the replicas (which hold the same gradient): counting them would double it."""
-    batch = ["trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
-    flat = [*composition.overrides("fsdp2"), *batch]
-    three_d = [*composition.overrides("fsdp2", "torch_pipeline"), *batch, "engine.replicate=2"]
-    results = probe(tmp_path, 8, [flat, three_d])
-    assert_trains_as(results[tuple(three_d)], results[tuple(flat)])
+@pytest.mark.parametrize("third", ["replicas", "tensor"])
+def test_three_dimensions_on_8_ranks_equal_fsdp2_over_8(eight_ranks, third):
+    """The 3-D layouts on 8 ranks against FSDP2 over all 8, on the same global batch of 8
+    sequences: 2 pipeline stages x 2 data-parallel x 2 tensor-parallel ranks (torch's styles in
+    each stage's blocks, then fully_shard), and 2 stages x 2 replicas x 2 shards (HSDP inside each
+    stage). The norm is made whole over the shards, the tensor-parallel slices and the stages, and
+    not summed over the replicas (which hold the same gradient): any of those wrong is off by far
+    more than the first norm's 1e-4 (measured: losses 2e-7 apart, first norms 2e-5)."""
+    assert_trains_as(eight_ranks[third], eight_ranks["flat"])
 
 
 @pytest.mark.distributed

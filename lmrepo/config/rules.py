@@ -109,7 +109,7 @@ class Rule:
     refuses: Callable[[Job], bool]
     message: Callable[[Job], str]
     reason: Upstream | NotYet
-    pair: bool = False  # refuses every combination of its two axes
+    pair: bool = False  # refuses its two axes together, as the composition matrix turns them on
     final: bool = False  # reads the final DeepSpeed dict: checked before launch, not when the config loads
 
 
@@ -444,8 +444,12 @@ RULES: list[Rule] = [
     # --- tensor parallelism (AutoTP; torch's styles under engine=fsdp2), pipelines, compile
     *_with_pipelines(
         "autotp",
-        lambda j: "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none",
-        NotYet("AutoTP groups inside pipeline stages"),
+        lambda j: (
+            "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none"
+            + ("" if on(j, "ds_pipeline") else ", or engine=fsdp2 (torch's tensor-parallel styles inside the stages)")
+        ),
+        NotYet("AutoTP groups inside pipeline stages (engine=fsdp2 splits the blocks of a torch pipeline's stages)"),
+        refuses=lambda j, pipe: on(j, "autotp", pipe) and not (pipe == "torch_pipeline" and on(j, "fsdp2")),
     ),
     *_with_pipelines(
         "compile",

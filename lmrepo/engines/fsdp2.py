@@ -237,10 +237,15 @@ def parallelize_blocks(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     (q, k, v, gate, up: each rank computes its own heads and MLP columns; their input's gradient
     all-reduced in backward) or row-wise (o, down: the partial sums all-reduced). What goes in and
     out of them stays a plain tensor, so transformers' attention runs on the local heads."""
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = block_tp_plan(model)
     for block in transformer_blocks(model):
-        parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in plan.items()})
+        parallelize_block(block, tp_mesh, plan)
+
+
+def parallelize_block(block: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """One block's linears of `plan` ({name: "colwise" | "rowwise"}) split over the tp ranks."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in plan.items()})
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):

@@ -22,14 +22,16 @@ wherever they exist, so both paths train the same model the same way:
   in mp_rank_00_model_states.pt) plus torch_pipe_rank_<rank, 5 digits>_optim_states.pt per rank.
 
 engine=fsdp2 shards each stage over its data-parallel ranks (a pipeline x data mesh, or pipeline x
-replicate x shard: HSDP), torchtitan's way: each transformer block, then each chunk, fully_shard'ed
-(zero=stage3: parameters resharded after each micro-batch's forward; stage2: kept gathered). torch's
-PipelineStage holds FSDP's gradient reduce-scatter back to the last micro-batch's backward. The
-gradients are then shards, averaged over the data-parallel ranks by FSDP; the steps above run on
-them, the norm's squares summed over the shards' ranks too. Checkpoints keep the same files, with
-whole tensors (gathered over the data-parallel ranks on save, sliced again on load), so a run
-resumes on another data-parallel size, or without FSDP2. bf16 stays torch.autocast over fp32
-weights, as without FSDP2 (no MixedPrecisionPolicy), so the two agree within fp32 rounding.
+replicate x shard: HSDP), torchtitan's way: in each transformer block of a stage, with tp=auto, the
+linears of transformers' plan split over the tensor-parallel ranks (pipeline x data x tensor), then
+each block, then each chunk, fully_shard'ed (zero=stage3: parameters resharded after each
+micro-batch's forward; stage2: kept gathered). torch's PipelineStage holds FSDP's gradient
+reduce-scatter back to the last micro-batch's backward. The gradients are then DTensor shards,
+averaged over the data-parallel ranks by FSDP; the steps above run on them, the norm made whole
+over every mesh dimension before the stages' are summed. Checkpoints keep the same files, with
+whole tensors (gathered on save, sliced again on load), so a run resumes on another data-parallel
+or tensor-parallel size, or without FSDP2. bf16 stays torch.autocast over fp32 weights, as without
+FSDP2 (no MixedPrecisionPolicy), so the two agree within fp32 rounding.
 
 DeepSpeed's ZeRO, offload and fp16 are not supported (the rules table refuses them up front).
 """
@@ -45,7 +47,11 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+from deepspeed.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    PipelineParallelGrid,
+    PipeModelDataParallelTopology,
+)
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -68,6 +74,7 @@ from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES
 from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
+from lmrepo.engines.fsdp2 import by_mesh, data_mesh, global_grad_norm, parallelize_block, transformer_blocks
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
 from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
@@ -168,16 +175,14 @@ def print_split(layers: list, parts: list[int], ranks: list[int], schedule: str,
 @dataclass(frozen=True)
 class StageSharding:
     """How engine=fsdp2 shards the stages: over `mesh` (the data-parallel ranks of a stage, or its
-    replicate x shard mesh), each module of `blocks` (transformer blocks) an FSDP unit of its own."""
+    replicate x shard mesh), each module of `blocks` (transformer blocks) an FSDP unit of its own,
+    with tensor parallelism first where `tp_mesh` is given (`tp_plan`: lmrepo.tp.block_tp_plan)."""
 
     mesh: DeviceMesh
     reshard_after_forward: bool
     blocks: frozenset
-
-    @property
-    def shard_group(self) -> dist.ProcessGroup:
-        """The ranks one gradient's shards are spread over (HSDP: within a replica)."""
-        return (self.mesh["dp_shard"] if self.mesh.ndim > 1 else self.mesh).get_group()
+    tp_mesh: DeviceMesh | None = None
+    tp_plan: dict | None = None
 
 
 def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Parameter]:
@@ -198,6 +203,8 @@ def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Para
     for chunk in chunks:
         for module in chunk.modules():
             if module in sharding.blocks:
+                if sharding.tp_mesh is not None:
+                    parallelize_block(module, sharding.tp_mesh, sharding.tp_plan)
                 fully_shard(module, **policy)
         fully_shard(chunk, **policy)
     return shared
@@ -257,8 +264,16 @@ class TorchPipelineEngine:
     ):
         self.device = torch.device(get_accelerator().current_device_name())
         self.stages, virtual = layout.pp, pipeline.virtual_stages
-        # DeepSpeed's grid for its groups: pipe-major, as the layout numbers the ranks
-        self.grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=layout.pp, num_dp=layout.dp))
+        # DeepSpeed's grid for its groups: pipe-major, tensor-parallel ranks innermost, as the layout numbers them
+        topology = (
+            PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
+            if layout.tp > 1
+            else PipeDataParallelTopology(num_pp=layout.pp, num_dp=layout.dp)
+        )
+        self.grid = PipelineParallelGrid(topology)
+        self.tp = layout.tp
+        # the one rank of a stage that writes its files: the first replica's (first tensor-parallel rank's)
+        self.writer = self.grid.get_data_parallel_rank() == 0 and layout.coordinates(dist.get_rank())["tp"] == 0
         self.stage_id, self.dp = layout.stage(dist.get_rank()), layout.dp
         self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
         self.micro_batches = micro_batches
@@ -275,14 +290,15 @@ class TorchPipelineEngine:
         self.chunk_ids = [c for c, rank in enumerate(self.placement) if rank == self.stage_id]
         self.chunks = nn.ModuleList(
             Chunk({i: build_layer(layers[i]) for i in range(self.parts[c], self.parts[c + 1])}) for c in self.chunk_ids
-        )
+        ).to(self.device)
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
         non_reentrant_checkpointing(self.chunks)
         self.sharding = sharding
         # parameters every data-parallel rank holds whole: all of them without FSDP2
         self.whole_params = shard_chunks(self.chunks, sharding) if sharding else list(self.chunks.parameters())
         if sharding and dist.get_rank() == 0:
-            print(f"FSDP2: each stage fully_shard'ed over its {self.dp} data-parallel ranks", flush=True)
+            split = f", each block split over {layout.tp} tensor-parallel ranks" if layout.tp > 1 else ""
+            print(f"FSDP2: each stage fully_shard'ed over its {self.dp} data-parallel ranks{split}", flush=True)
         self.schedule, stages = self._schedule(SCHEDULES[pipeline.schedule], self.micro_batches)
         self.timeline = Timeline()  # this rank's actions of the last training step
         watch_torch_stages(self.timeline, self.schedule, stages)
@@ -341,8 +357,9 @@ class TorchPipelineEngine:
             holders = sorted({self.placement[self._chunk_of(i)] for i in indices})
             if len(holders) < 2:
                 continue  # one rank holds every copy: they are one parameter
-            for replica in range(self.dp):
-                ranks = [self.grid.topology().get_rank(pipe=s, data=replica) for s in holders]
+            for replica, t in [(d, t) for d in range(self.dp) for t in range(self.tp)]:
+                model = {"model": t} if self.tp > 1 else {}
+                ranks = [self.grid.topology().get_rank(pipe=s, data=replica, **model) for s in holders]
                 group = dist.new_group(ranks=ranks)
                 if dist.get_rank() in ranks:
                     index = next(i for i in indices if i in self.layers)
@@ -470,12 +487,11 @@ class TorchPipelineEngine:
         """The global norm over the whole model (every stage), each tied matrix counted once; the
         coefficient of torch's and DeepSpeed's clip_grad_norm_."""
         copies = {id(param) for _, param, owner in self.tied if not owner}
-        counted = [p.grad for p in self.chunks.parameters() if p.grad is not None and id(p) not in copies]
-        total = self._squares([g for g in counted if not isinstance(g, DTensor)])
-        if self.sharding is not None:  # each shard's squares, summed over the ranks holding the others
-            shards = self._squares([local(g) for g in counted if isinstance(g, DTensor)])
-            dist.all_reduce(shards, group=self.sharding.shard_group)
-            total = total + shards
+        counted = [p for p in self.chunks.parameters() if p.grad is not None and id(p) not in copies]
+        total = self._squares([p.grad for p in counted if not isinstance(p.grad, DTensor)])
+        sharded = [p for p in counted if isinstance(p.grad, DTensor)]
+        if sharded:  # FSDP2's (and tensor parallelism's) shards, made whole over every mesh dimension
+            total = total + global_grad_norm(by_mesh(sharded)).pow(2)
         dist.all_reduce(total, group=self.grid.pp_proc_group)
         self.last_grad_norm = total.sqrt().item()
         if max_norm <= 0:  # 0: clipping off, the norm still logged
@@ -505,6 +521,7 @@ class TorchPipelineEngine:
                     "global_steps": self.global_steps,
                     "dp_world_size": self.dp,
                     "mp_world_size": self.stages,
+                    "tp_world_size": self.tp,
                     "torch_pipeline_parts": self.parts,
                     **client_state,
                 },
@@ -512,7 +529,7 @@ class TorchPipelineEngine:
             )
         # The replicas hold the same weights: the first writes them. Under FSDP2 every rank of the
         # stage gathers its shards into whole tensors (collectives), and the first writes them.
-        writer = self.grid.get_data_parallel_rank() == 0
+        writer = self.writer
         for index, layer in self._saved_layers():
             if writer or self.sharding is not None:
                 state = whole(layer.state_dict())
@@ -547,7 +564,7 @@ class TorchPipelineEngine:
             mine = target.state_dict()
             target.load_state_dict({k: sliced_like(v, mine[k]) if k in mine else v for k, v in saved.items()})
         # The replicas' optimizer states are equal: replica 0's file of this stage serves any data-parallel size.
-        saved_rank = self.stage_id * states["dp_world_size"]
+        saved_rank = self.stage_id * states["dp_world_size"] * states.get("tp_world_size", 1)
         optim = safe_load.load(
             directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device
         )
@@ -561,7 +578,14 @@ class TorchPipelineEngine:
         self.optimizer.load_state_dict(optimizer)
         self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
         self.global_steps = states["global_steps"]
-        engine_keys = {"module", "global_steps", "dp_world_size", "mp_world_size", "torch_pipeline_parts"}
+        engine_keys = {
+            "module",
+            "global_steps",
+            "dp_world_size",
+            "mp_world_size",
+            "tp_world_size",
+            "torch_pipeline_parts",
+        }
         return {k: v for k, v in states.items() if k not in engine_keys}
 
 
@@ -575,10 +599,16 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
     loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
     sharding = None
     if config.engine.name == "fsdp2":
-        from lmrepo.engines.fsdp2 import data_mesh, transformer_blocks
+        from lmrepo.tp import block_tp_plan
 
         mesh = layout.mesh(get_accelerator().device_name())
-        sharding = StageSharding(data_mesh(layout, mesh), config.zero.stage == 3, frozenset(transformer_blocks(net)))
+        sharding = StageSharding(
+            data_mesh(layout, mesh),
+            config.zero.stage == 3,
+            frozenset(transformer_blocks(net)),
+            mesh["tp"] if layout.tp > 1 else None,
+            block_tp_plan(net) if layout.tp > 1 else None,
+        )
     return TorchPipelineEngine(
         layers,
         loss,
