@@ -30,7 +30,7 @@ reduce-scatter back to the last micro-batch's backward. The gradients are then D
 averaged over the data-parallel ranks by FSDP; the steps above run on them, the norm made whole
 over every mesh dimension before the stages' are summed. Checkpoints keep the same files, with
 whole tensors (gathered on save, sliced again on load), so a run resumes on another data-parallel
-or tensor-parallel size, or without FSDP2. bf16 stays torch.autocast over fp32 weights, as without
+or tensor-parallel size. bf16 stays torch.autocast over fp32 weights, as without
 FSDP2 (no MixedPrecisionPolicy), so the two agree within fp32 rounding.
 
 DeepSpeed's ZeRO, offload and fp16 are not supported (the rules table refuses them up front).
