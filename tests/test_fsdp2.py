@@ -246,6 +246,11 @@ TP_4 = tuple(composition.overrides("fsdp2", "autotp"))
 PP_4 = (*composition.overrides("fsdp2", "torch_pipeline"), "trainer.micro_batch_size=1")
 PP_1F1B_4 = (*PP_4, "pipeline=1f1b_torch", "zero=stage2", "checkpointing=full")
 PP_TP_4 = (*composition.overrides("fsdp2", "torch_pipeline", "autotp"), "trainer.micro_batch_size=1")
+# One stage of two looped chunks over 4 data-parallel ranks, embeddings tied: both chunks of a rank
+# hold the one embedding matrix, which FSDP2 cannot put in two units
+TIED = "model.tie_embeddings=true"
+FSDP2_TIED_4 = (*FSDP2_4, TIED)
+PP_SHARED_4 = (*PP_4, "pipeline=interleaved", "pipeline.stages=1", "pipeline.virtual_stages=2", TIED)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +268,7 @@ def eight_ranks(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> dict:
-    cases = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_1F1B_4, PP_TP_4]
+    cases = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_1F1B_4, PP_TP_4, FSDP2_TIED_4, PP_SHARED_4]
     return probe(tmp_path_factory.mktemp("four_ranks"), 4, [list(case) for case in cases])
 
 
@@ -308,6 +313,14 @@ def test_fsdp2_pipeline_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks, pipe
     summed over both stages and both shards: one stage's or one shard's alone is off by far more
     than the first norm's 1e-4 (stage 0's alone: 0.89 of the whole, shared/DESIGN.md)."""
     assert_trains_as(four_ranks[pipeline], four_ranks[FSDP2_4])
+
+
+@pytest.mark.distributed
+def test_fsdp2_pipeline_keeps_a_weight_two_chunks_of_a_rank_share_whole(four_ranks):
+    """A tied embedding that two chunks of one rank hold (one stage, two looped chunks) stays a
+    whole tensor outside FSDP2, its gradient averaged over the data-parallel ranks by lmrepo:
+    trains as FSDP2 over 4 ranks of the same tied model."""
+    assert_trains_as(four_ranks[PP_SHARED_4], four_ranks[FSDP2_TIED_4])
 
 
 @pytest.mark.distributed
