@@ -219,7 +219,11 @@ RULES: list[Rule] = [
             "zero-bubble schedule's deferred weight gradients (a gradient norm 29% low, measured): choose "
             "pipeline=gpipe, 1f1b_torch or interleaved, or engine=deepspeed"
         ),
-        NotYet("FSDP2's reduce-scatter after the weight-gradient half of a split backward"),
+        Upstream(
+            TORCH,
+            "pipelining's zero-bubble schedules compute weight gradients past data parallelism's reduction "
+            "(the mechanism of pytorch/pytorch#144530, open for DDP)",
+        ),
     ),
     Rule(
         ("fsdp2", "muon"),
