@@ -529,16 +529,15 @@ class TorchPipelineEngine:
             )
         # The replicas hold the same weights: the first writes them. Under FSDP2 every rank of the
         # stage gathers its shards into whole tensors (collectives), and the first writes them.
-        writer = self.writer
         for index, layer in self._saved_layers():
-            if writer or self.sharding is not None:
+            if self.writer or self.sharding is not None:
                 state = whole(layer.state_dict())
-                if writer:
+                if self.writer:
                     torch.save(state, directory / f"layer_{index:02d}-model_states.pt")
         optimizer = self.optimizer.state_dict()
         if self.sharding is not None:
             optimizer["state"] = {i: whole(state) for i, state in sorted(optimizer["state"].items())}
-        if writer or self.sharding is None:
+        if self.writer or self.sharding is None:
             torch.save(
                 {"stage": self.stage_id, "optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict()},
                 directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt",
