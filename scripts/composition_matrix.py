@@ -58,7 +58,9 @@ def page() -> str:
         "",
         "- **tested**: allowed, and `tests/test_composition.py::test_pair` runs the two together on 2 CPU ranks "
         "against the run it claims to equal (loss of every step and the gradient norm; fp32, or within bf16 "
-        "rounding where bf16 is one of the two).",
+        "rounding where bf16 is one of the two). A pair with compile is compared with the same pair uncompiled; "
+        "where compile meets a layout it compiles with the aot_eager backend (dynamo's capture and AOTAutograd's "
+        "graphs, where the layout meets the compiler), elsewhere with inductor (`tests/composition.py` says why).",
         "- **upstream**: refused, because a library refuses it or computes it wrongly (which and where: below).",
         "- **not yet**: refused, because lmrepo has not built it.",
         "- **untested**: allowed but no test runs it.",
@@ -75,8 +77,10 @@ def page() -> str:
     for a, b in composition.pairs():
         if cell(a, b)[0] == "tested":
             _, kind = composition.reference(a, b)
-            dropped = next((x for x in (a, b) if x in composition.EQUAL), "")
+            dropped = composition.dropped_axis(a, b)
             note = COMPARED[kind].format(dropped=AXES[dropped].label if dropped else "")
+            if "trainer.compile_backend=aot_eager" in composition.overrides(a, b):
+                note += " (compiled with the aot_eager backend)"
             lines.append(f"| {AXES[a].label} + {AXES[b].label} | {note} |")
     lines += [
         "",

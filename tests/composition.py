@@ -16,6 +16,13 @@ technique claims:
 - moe (expert parallelism) and document masking change the model or the loss: never dropped;
   moe + document masking compares expert_parallel.size=2 with 1 (expert parallelism claims
   equality).
+- compile: a pair with compile is compared with the same pair uncompiled. Where compile meets a
+  layout (FSDP2, ZeRO-3, offload, tensor, sequence and expert parallelism) the pair compiles with
+  the aot_eager backend: dynamo's capture and AOTAutograd's forward and backward graphs, where the
+  layout's hooks, DTensors and collectives meet the compiler, without inductor generating and
+  building kernels (on 2 cores half the matrix's compile time). Where compile meets what a block
+  computes (Muon, the tiled loss, document masking, activation checkpointing, bf16) it is
+  inductor, so that inductor's own kernels are proven too.
 
 scripts/composition_matrix.py makes docs/reference/composition.md from this module, the axes and
 the rules table.
@@ -70,6 +77,8 @@ OVERRIDES = {
     "activation_checkpointing": ["checkpointing=full"],
     "bf16": ["precision=bf16"],
 }
+# The layouts a compiled pair runs with aot_eager (the module docstring says why).
+COMPILED_WITH_AOT_EAGER = {"fsdp2", "zero3", "offload", "autotp", "sequence_parallel", "moe"}
 EQUAL = {
     "fsdp2",
     "zero3",
@@ -99,17 +108,27 @@ def overrides(*axes: str) -> list[str]:
         words.append(f"zero=stage{stage}")
     if "muon" in axes and stages and max(stages) > 0:
         words.append("trainer.grad_clip=0")
+    if "compile" in axes and COMPILED_WITH_AOT_EAGER.intersection(axes):
+        words.append("trainer.compile_backend=aot_eager")
     if "moe" in axes:  # the Mixtral of the base's shape: model=... resets the preset's sizes
         words = [w for w in words if w != "model=mixtral-tiny"]
         return ["model=mixtral-tiny", *[w for w in BASE if w != "model=llama-tiny"], *words]
     return [*BASE, *words]
 
 
+def dropped_axis(a: str, b: str) -> str | None:
+    """The technique the reference run leaves out, when the pair is compared for equality: compile
+    (the same pair uncompiled), else the first of the two that claims equality."""
+    if "compile" in (a, b):
+        return "compile"
+    return next((axis for axis in (a, b) if axis in EQUAL), None)
+
+
 def reference(a: str, b: str) -> tuple[list[str], str]:
     """(the reference run's overrides, how the pair is compared with it: equal | step1 | bf16 | ep)."""
-    for dropped, kept in ((a, b), (b, a)):
-        if dropped in EQUAL:
-            return overrides(kept), "equal"
+    dropped = dropped_axis(a, b)
+    if dropped:
+        return overrides(b if dropped == a else a), "equal"
     for dropped, kept in ((a, b), (b, a)):
         if dropped == "muon":
             return overrides(kept), "step1"

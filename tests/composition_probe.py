@@ -72,7 +72,23 @@ def reset_process_state(attention: tuple[dict, dict]) -> None:
     gc.collect()
 
 
+def compiled_by() -> str:
+    """What compiled this configuration's model, from dynamo's counters: inductor (which alone
+    uses AOTAutograd's cache), aot_eager (AOTAutograd without it), eager (graphs captured, no
+    AOTAutograd) or none."""
+    from torch._dynamo.utils import counters
+
+    if counters["inductor"] or any(key.startswith("autograd_cache") for key in counters["aot_autograd"]):
+        return "inductor"
+    if counters["aot_autograd"]["total"]:
+        return "aot_eager"
+    return "eager" if counters["stats"]["unique_graphs"] else "none"
+
+
 def run(words: list[str], out: Path, tokenizer, sources) -> dict:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     job = plan(compose_config(words, run_dir=out / "unused"), world_size())
     set_seed(job.config.trainer.seed)
     engine = build_engine(job)
@@ -84,7 +100,7 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         losses.append(loss.item() / dist.get_world_size())
         norms.append(engine.step_record().get("grad_norm"))
     del engine, data
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "compiled_by": compiled_by()}
 
 
 def main(out_file: Path, cases_file: Path) -> None:

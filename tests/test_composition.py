@@ -94,6 +94,13 @@ def results(tmp_path_factory, corpus) -> dict:
     return found
 
 
+def compiled_by(words: list[str]) -> str:
+    """The backend a case asks torch.compile for (composition.py chooses it), or none."""
+    if "trainer.compile=true" not in words:
+        return "none"
+    return next((w.split("=", 1)[1] for w in words if w.startswith("trainer.compile_backend=")), "inductor")
+
+
 def close(ours: float, theirs: float, rel: float) -> bool:
     return abs(ours - theirs) <= rel * abs(theirs)
 
@@ -118,8 +125,9 @@ def test_pair(a, b, results, corpus):
     ours = results[composition.case_name([*words, *corpus])]
     ref_words, kind = composition.reference(a, b)
     theirs = results[composition.case_name([*ref_words, *corpus])]
-    for run, name in ((ours, "pair"), (theirs, "reference")):
-        assert "losses" in run, f"{name} {' '.join(words if run is ours else ref_words)}: {run}"
+    for run, run_words, name in ((ours, words, "pair"), (theirs, ref_words, "reference")):
+        assert "losses" in run, f"{name} {' '.join(run_words)}: {run}"
+        assert run["compiled_by"] == compiled_by(run_words), (name, run_words, run["compiled_by"])
     tolerance = BF16 if "bf16" in (a, b) or kind == "bf16" else FP32
     steps = 1 if kind == "step1" else len(ours["losses"])
     for step in range(steps):

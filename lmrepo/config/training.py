@@ -112,6 +112,12 @@ class DeviceChoice(StrEnum):
     cuda = "cuda"
 
 
+class CompileBackend(StrEnum):
+    inductor = "inductor"
+    aot_eager = "aot_eager"
+    eager = "eager"
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
@@ -139,7 +145,10 @@ class TrainerConfig:
     device: DeviceChoice = DeviceChoice.auto
     """auto (a GPU when one is visible) | cpu | cuda"""
     compile: Optional[bool] = None
-    """torch.compile the model (inductor; the first step compiles); null = on a GPU for layouts it suits, CPU off"""
+    """torch.compile the model (the first step compiles); null = on a GPU for layouts it suits, CPU off"""
+    compile_backend: CompileBackend = CompileBackend.inductor
+    """torch.compile's backend: inductor (generated kernels) | aot_eager (the traced forward and backward run on
+    ATen's kernels: for finding whether a problem is inductor's) | eager (the traced forward only)"""
     loss_tiles: int = 1
     """causal LMs: the LM head and loss in this many chunks of the sequence, logits recomputed in backward; 1 = off"""
 

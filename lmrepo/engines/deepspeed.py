@@ -220,6 +220,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> DeepS
         count_every_shard_in_the_norm(engine.ds)
     if config.trainer.compile:
         isolate_compile_cache()
-        engine.ds.compile()  # in place: parameter names, hence checkpoints, are unchanged
+        # in place: parameter names, hence checkpoints, are unchanged
+        engine.ds.compile(backend=str(config.trainer.compile_backend))
     engine.zero3_hf_config = zero3  # keep alive for the engine's lifetime
     return engine

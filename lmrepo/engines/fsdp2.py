@@ -325,7 +325,8 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     if config.trainer.compile:
         isolate_compile_cache()
         for block in transformer_blocks(model):
-            block.compile()  # in place: parameter names, hence checkpoints, are unchanged
+            # in place: parameter names, hence checkpoints, are unchanged
+            block.compile(backend=str(config.trainer.compile_backend))
     return FSDP2Engine(
         model,
         config.optimizer,
