@@ -30,11 +30,11 @@ def attention_shape(config) -> SimpleNamespace:
     return SimpleNamespace(_attn_implementation=config._attn_implementation, get_text_config=lambda: shape)
 
 
-def document_mask(positions: torch.Tensor) -> torch.Tensor | None:
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
     """The causal mask of packed documents (position ids restarting at 0 within the sequence), as
-    SDPA takes a boolean mask (True = attend), or None for one document (then SDPA is causal)."""
-    if not bool((positions[:, 1:] == 0).any()):
-        return None
+    SDPA takes a boolean mask (True = attend); for a row of one document, the causal mask. Built
+    for every batch, without asking whether it holds a boundary: that question reads the tensor on
+    the host, a graph break in every attention call of a compiled model."""
     document = (positions == 0).cumsum(-1)
     causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device).tril()
     return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
@@ -52,14 +52,16 @@ def document_aware(attention):
     return attend
 
 
-def register(model, size: int, micro_batch: int):
+def register(model, size: int, micro_batch: int, documents: bool):
     """Wraps the model's attention function (sdpa) in DeepSpeed's Ulysses all-to-all and makes the
-    sequence-parallel process groups; returns them as the `mpu` deepspeed.initialize takes."""
+    sequence-parallel process groups; returns them as the `mpu` deepspeed.initialize takes.
+    documents: packed documents are kept apart (data.cross_document_attention=false); only then do
+    batches carry restarting position ids, and only then is SDPA given their mask."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     implementation = model.config._attn_implementation
-    if implementation == "sdpa":  # flash attention finds the documents in the position ids itself
+    if documents and implementation == "sdpa":  # flash attention finds the documents in the position ids itself
         # register_with_transformers wraps whatever the registry holds under this name.
         ALL_ATTENTION_FUNCTIONS[implementation] = document_aware(ALL_ATTENTION_FUNCTIONS[implementation])
     mpu = UlyssesSPAttentionHF.register_with_transformers(

@@ -144,7 +144,8 @@ def test_sequence_parallel_config_and_refusals():
 def test_sequence_parallel_attention_keeps_packed_documents_apart():
     """Under sequence parallelism DeepSpeed's wrapper drops the model's mask and hands SDPA the whole
     sequence's position ids: with packed documents (ids restarting at 0) lmrepo's SDPA attends within
-    each document, as each document alone; one document stays plain causal attention (no mask)."""
+    each document, as each document alone; a row of one document gets the causal mask (the mask is
+    built without reading the tensor on the host, which would break a compiled model's graph)."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -164,4 +165,6 @@ def test_sequence_parallel_attention_keeps_packed_documents_apart():
     # The softmax and the weighted sum over at most 16 keys, reordered by the mask; attention
     # across the documents moves the output by its whole size.
     assert_close(together, torch.cat(alone, dim=1), reordered_sum(16), "attention output")
-    assert document_mask(torch.arange(16)[None]) is None
+    assert torch.equal(document_mask(torch.arange(16)[None]), torch.ones(16, 16, dtype=torch.bool).tril()[None, None])
+    one, _ = attend(module, q, k, v, None, position_ids=torch.arange(16)[None])
+    assert_close(one, sdpa_attention_forward(module, q, k, v, None)[0], reordered_sum(16), "one document")

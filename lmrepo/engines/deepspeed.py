@@ -212,7 +212,8 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> DeepS
     enable_activation_checkpointing(model, config.checkpointing, ds_config)
     compile_muon = compile_muon_choice(config.optimizer.compile)
     if layout.sp > 1:
-        mpu = register(model, layout.sp, ds_config["train_micro_batch_size_per_gpu"])
+        documents = not config.data.cross_document_attention
+        mpu = register(model, layout.sp, ds_config["train_micro_batch_size_per_gpu"], documents)
         engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), layout, Slicer(mpu))
     else:
         mpu = tensor_parallel_groups(layout)
