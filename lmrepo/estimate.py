@@ -172,6 +172,62 @@ def fsdp2_state_bytes(
     return ModelStates(gpu=share + gathered, cpu=0.0, nvme=0.0)
 
 
+@dataclass
+class RankParameters:
+    """A pipeline rank's parameter elements under engine=fsdp2: those FSDP2 shards over the rank's
+    dp_shard ranks, and those it keeps whole (a weight two of the rank's chunks share)."""
+
+    sharded: float
+    whole: float = 0.0
+
+    def per_rank(self, dp_shard: int) -> float:
+        return self.sharded / dp_shard + self.whole
+
+
+def fsdp2_rank_parameters(net: torch.nn.Module, config, layout) -> list[RankParameters]:
+    """The parameters each pipeline rank holds under engine=fsdp2 on `layout`, before FSDP2 shards
+    them over its dp_shard ranks (HSDP's replicas each hold a copy of the shard): the layers of its
+    pipeline chunks as the torch pipeline splits them (a tied embedding on every rank that computes
+    with it, whole where two of the rank's chunks share it), the block linears tensor parallelism
+    splits counted 1/tp. One entry per pipeline rank (one without a pipeline). `net`: meta_model's."""
+    from lmrepo.engines.fsdp2 import transformer_blocks
+    from lmrepo.tp import block_tp_plan
+
+    split = set()
+    if layout.tp > 1:
+        for block in transformer_blocks(net):
+            for name in block_tp_plan(net):
+                split.update(id(p) for p in block.get_submodule(name).parameters())
+
+    def elements(params) -> float:
+        return float(sum(p.numel() / (layout.tp if id(p) in split else 1) for p in params))
+
+    if config.pipeline.engine != "torch":  # the whole model, one FSDP2 unit per block and the root
+        return [RankParameters(elements({id(p): p for p in net.parameters()}.values()))]
+    from lmrepo.engines.torch_pipeline import partition, placement, tied_owner
+    from lmrepo.models import pipe
+
+    pipeline = config.pipeline
+    layers = pipe.pipeline_layers(net, config.model.family)
+    bounds = partition(layers, layout.pp * pipeline.virtual_stages, pipeline.partition_method)
+    chunks = [{} for _ in range(layout.pp)]  # per pipeline rank: {parameter: how many of its chunks hold it}
+    params = {}
+    for chunk, rank in enumerate(placement(pipeline.schedule, layout.pp, pipeline.virtual_stages)):
+        held = {}
+        for index in range(bounds[chunk], bounds[chunk + 1]):
+            held.update((id(p), p) for p in layers[tied_owner(layers, index)].build().parameters())
+        params.update(held)
+        for key in held:
+            chunks[rank][key] = chunks[rank].get(key, 0) + 1
+    return [
+        RankParameters(
+            elements(params[key] for key, n in counts.items() if n == 1),
+            elements(params[key] for key, n in counts.items() if n > 1),
+        )
+        for counts in chunks
+    ]
+
+
 def optimizer_group_sizes(model: torch.nn.Module) -> list[list[int]]:
     """The element count of each parameter in each of the optimizer's groups, in the order train.py
     gives them to DeepSpeed (lmrepo.engines.deepspeed.param_groups: matrices with weight decay, then the rest)."""

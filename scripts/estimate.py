@@ -23,6 +23,7 @@ from lmrepo.compose import load_config
 from lmrepo.config import TrainConfig, layout_check
 from lmrepo.ds_config import resolve_batch
 from lmrepo.errors import ConfigError, exit_error
+from lmrepo.layout import ParallelLayout
 from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 
 OWN_KEYS = {
@@ -72,6 +73,7 @@ class Job:
     cfg: TrainConfig
     own: dict
     shape: dict
+    layout: ParallelLayout
     dp: int
     global_batch: int
     micro: int
@@ -85,7 +87,8 @@ def load_job(argv: list[str]) -> Job:
         cfg = load_config(overrides)
         if cfg.precision.dtype == "auto":  # planning for GPUs of compute capability >= 8.0, where auto is bf16
             cfg.precision.dtype = "bf16"
-        dp = layout_check(cfg, own["world"]).dp
+        layout = layout_check(cfg, own["world"])
+        dp = layout.dp
         global_batch, micro, _ = resolve_batch(
             cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, cfg.trainer.grad_accum, dp
         )
@@ -93,6 +96,7 @@ def load_job(argv: list[str]) -> Job:
             cfg,
             own,
             cfg.model.shape(),
+            layout,
             dp,
             global_batch,
             micro,
@@ -175,23 +179,39 @@ def print_model_states(job: Job, params: int, largest: int) -> None:
     )
 
 
-def print_fsdp2_states(job: Job, params: int) -> None:
-    """engine=fsdp2: every state sharded at both stages; zero=stage2 keeps the gathered weights."""
-    dtype, gpn = job.cfg.precision.dtype, job.own["gpus_per_node"]
-    print(f"\nModel states per rank under engine=fsdp2 ({dtype}, {job.dp} ranks), GiB")
+def print_fsdp2_states(job: Job, net) -> None:
+    """engine=fsdp2: every state sharded at both stages; zero=stage2 keeps the gathered weights. On
+    this job's layout: each pipeline rank's layers, tensor-parallel slices and FSDP2 shards."""
+    dtype, gpn, layout = job.cfg.precision.dtype, job.own["gpus_per_node"], job.layout
+    if job.cfg.engine.name == "fsdp2":
+        ranks = estimate.fsdp2_rank_parameters(net, job.cfg, layout)
+    else:  # what FSDP2 would hold over this job's data-parallel ranks
+        layout = ParallelLayout(world=job.dp, dp_shard=job.dp)
+        ranks = [estimate.RankParameters(estimate.count_parameters(net))]
+    worst = max(range(len(ranks)), key=lambda stage: ranks[stage].per_rank(layout.dp_shard))
+    held = ranks[worst]
+    where = f"; pipeline rank {worst} of {layout.pp}, the largest" if len(ranks) > 1 else ""
+    print(f"\nModel states per rank under engine=fsdp2 ({dtype}; {layout.describe()}{where}), GiB")
+    before, after = held.per_rank(1), held.per_rank(layout.dp_shard)
+    print(f"  {before:,.0f} parameters on the rank before sharding, {after:,.0f} after")
     print(f"  {'layout':<16}{'offload':<9}{'GPU':>9}{'CPU':>9}{'CPU/node':>10}")
     for stage, keep in ((3, False), (2, True)):
         for off in ("none", "cpu"):
-            ours = estimate.fsdp2_state_bytes(params, job.dp, dtype, off, keep_gathered=keep)
+            ours = estimate.fsdp2_state_bytes(held.sharded, layout.dp_shard, dtype, off, keep_gathered=keep)
+            if held.whole:  # a weight two of the rank's chunks share: FSDP2 leaves it whole, on the device
+                whole = estimate.fsdp2_state_bytes(held.whole, 1, dtype).gpu
+                ours = estimate.ModelStates(ours.gpu + whole, ours.cpu, 0.0)
             this_job = job.cfg.engine.name == "fsdp2" and job.cfg.zero.stage == stage and job.cfg.offload.target == off
             print(
                 f"  {'* ' if this_job else '  '}{'zero=stage' + str(stage):<14}{off:<9}{ours.gpu / GIB:>9.2f}"
                 f"{ours.cpu / GIB:>9.2f}{ours.cpu * gpn / GIB:>10.2f}"
             )
     print(
-        "  FSDP2 shards fp32 parameters, gradients and Adam's moments at both stages (16 bytes x params / ranks);\n"
-        "  zero=stage2 (no reshard after forward) also holds the whole model gathered in the compute precision\n"
-        "  from forward to backward; zero=stage3 gathers one block at a time (not counted, as for ZeRO-3)."
+        "  FSDP2 shards fp32 parameters, gradients and Adam's moments at both stages (16 bytes x params / shards);\n"
+        "  zero=stage2 (no reshard after forward) also holds the rank's whole share gathered in the compute\n"
+        "  precision from forward to backward; zero=stage3 gathers one block at a time (not counted, as for ZeRO-3).\n"
+        "  A pipeline rank holds its stage's layers, tensor parallelism 1/tp of each block's linears, HSDP's\n"
+        "  replicas each a copy of the shards."
     )
 
 
@@ -338,7 +358,7 @@ def main(argv: list[str]) -> None:
     if cfg.model.family == "mixtral":
         print_moe_states(job, params)
     else:
-        print_fsdp2_states(job, params)
+        print_fsdp2_states(job, model)
     print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))
     print_activations(job, checkpointed)
     print_compute(job, params, checkpointed, peak)

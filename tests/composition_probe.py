@@ -85,6 +85,27 @@ def compiled_by() -> str:
     return "eager" if counters["stats"]["unique_graphs"] else "none"
 
 
+def parameters_held(engine) -> list[float] | None:
+    """Each rank's parameter elements under engine=fsdp2 (its FSDP2 shards, of its tensor-parallel
+    slices, of its pipeline stage's layers), gathered from every rank; None for DeepSpeed's engines."""
+    from torch.distributed.tensor import DTensor
+
+    from lmrepo.engines.fsdp2 import FSDP2Engine
+    from lmrepo.engines.torch_pipeline import TorchPipelineEngine
+
+    if isinstance(engine, FSDP2Engine):
+        modules = engine.module
+    elif isinstance(engine, TorchPipelineEngine) and engine.sharding is not None:
+        modules = engine.chunks
+    else:
+        return None
+    unique = {id(p): p for p in modules.parameters()}
+    mine = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in unique.values())
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, mine)
+    return held
+
+
 def run(words: list[str], out: Path, tokenizer, sources) -> dict:
     from torch._dynamo.utils import counters
 
@@ -99,8 +120,9 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
         norms.append(engine.step_record().get("grad_norm"))
+    held = parameters_held(engine)
     del engine, data
-    return {"losses": losses, "grad_norms": norms, "compiled_by": compiled_by()}
+    return {"losses": losses, "grad_norms": norms, "compiled_by": compiled_by(), "parameters_held": held}
 
 
 def main(out_file: Path, cases_file: Path) -> None:

@@ -301,6 +301,23 @@ def test_script_prints_the_estimate():
     assert proc.stderr == ""
 
 
+def test_fsdp2_table_follows_the_layout_by_hand(capsys):
+    """engine=fsdp2 on 2 stages x 2 data-parallel x 2 tensor-parallel ranks (8), Llama tiny (4
+    layers of width h=256, SwiGLU width i=688, 4 heads of 4 key/value heads, V=50,257, untied): the
+    last pipeline rank holds blocks 3-4, the final norm and the head; tensor parallelism halves
+    each block's q, k, v, o, gate, up and down; FSDP2 shards the rest over 2. By hand."""
+    h, i, vocab = 256, 688, 50257
+    block = (4 * h * h + 3 * h * i) / 2 + 2 * h  # the split linears, then the two norms
+    last = 2 * block + h + vocab * h
+    load_script().main(["model=llama-tiny", "engine=fsdp2", "tp=auto", "tp.size=2", "pipeline=gpipe",
+                        "pipeline.stages=2", "world=8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "pp 2 x dp_shard 2 x tp 2; pipeline rank 1 of 2, the largest" in out
+    assert f"{last:,.0f} parameters on the rank before sharding, {last / 2:,.0f} after" in out
+    chosen = next(line for line in out.splitlines() if line.strip().startswith("* zero=stage3"))
+    assert chosen.split()[3] == f"{16 * last / 2 / 2**30:.2f}"  # bf16: fp32 states, 16 bytes per element
+
+
 def test_script_bad_input():
     proc = run_estimate("world=0")
     assert proc.returncode == 2

@@ -256,17 +256,19 @@ FSDP2_TIED_4 = (*FSDP2_4, TIED)
 PP_SHARED_4 = (*PP_4, "pipeline=interleaved", "pipeline.stages=1", "pipeline.virtual_stages=2", TIED)
 
 
+EIGHT = ["trainer.micro_batch_size=1", "trainer.global_batch_size=8", STEPS]
+EIGHT_RANKS = {
+    "flat": [*composition.overrides("fsdp2"), *EIGHT],
+    "replicas": [*composition.overrides("fsdp2", "torch_pipeline"), *EIGHT, "engine.replicate=2"],
+    "tensor": [*composition.overrides("fsdp2", "torch_pipeline", "autotp"), *EIGHT],
+}
+
+
 @pytest.fixture(scope="module")
 def eight_ranks(tmp_path_factory) -> dict:
     """FSDP2 over 8 ranks and the two 3-D layouts, one sequence per micro batch, in one launch."""
-    batch = ["trainer.micro_batch_size=1", "trainer.global_batch_size=8", STEPS]
-    cases = {
-        "flat": [*composition.overrides("fsdp2"), *batch],
-        "replicas": [*composition.overrides("fsdp2", "torch_pipeline"), *batch, "engine.replicate=2"],
-        "tensor": [*composition.overrides("fsdp2", "torch_pipeline", "autotp"), *batch],
-    }
-    results = probe(tmp_path_factory.mktemp("eight_ranks"), 8, list(cases.values()))
-    return {name: results[tuple(words)] for name, words in cases.items()}
+    results = probe(tmp_path_factory.mktemp("eight_ranks"), 8, list(EIGHT_RANKS.values()))
+    return {name: results[tuple(words)] for name, words in EIGHT_RANKS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +338,33 @@ def test_three_dimensions_on_8_ranks_equal_fsdp2_over_8(eight_ranks, third):
     not summed over the replicas (which hold the same gradient): any of those wrong is off by far
     more than the first norm's 1e-4 (measured: losses 2e-7 apart, first norms 2e-5)."""
     assert_trains_as(eight_ranks[third], eight_ranks["flat"])
+
+
+@pytest.mark.distributed
+def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, eight_ranks):
+    """lmrepo.estimate.fsdp2_rank_parameters (scripts/estimate.py's FSDP2 table) against the
+    parameter elements each rank of every layout held: the ranks that shard one pipeline stage's
+    tensor-parallel slice hold it exactly between them, and each holds its even share up to FSDP2's
+    uneven split of dim 0 (at most one row of each tensor more or less). A stage counted whole, a
+    slice not divided by tp or a shard not divided by dp_shard is off by a factor of 2 or more."""
+    from lmrepo.estimate import fsdp2_rank_parameters, meta_model
+    from lmrepo.layout import ParallelLayout
+
+    runs = [(list(words), 4, result) for words, result in four_ranks.items()]
+    runs += [(EIGHT_RANKS[name], 8, result) for name, result in eight_ranks.items()]
+    for words, ranks, result in runs:
+        config = load_config(words)
+        layout = ParallelLayout.of(config, ranks)
+        net = meta_model(config.model)
+        expected = fsdp2_rank_parameters(net, config, layout)
+        rows = sum(p.numel() / p.shape[0] for p in net.parameters())  # one dim-0 row of every tensor
+        held = result["parameters_held"]
+        for rank in range(ranks):
+            stage = expected[layout.stage(rank)]
+            shard_group = layout.group(rank, ("dp_shard",))
+            together = sum(held[r] for r in shard_group) - (len(shard_group) - 1) * stage.whole
+            assert together == stage.sharded + stage.whole, (words, rank, held, stage)
+            assert abs(held[rank] - stage.per_rank(layout.dp_shard)) <= rows, (words, rank, held, stage)
 
 
 @pytest.mark.distributed
