@@ -52,6 +52,12 @@ def pin_builds() -> None:
     """Before DeepSpeed loads an op: this interpreter's build directory, and this interpreter's
     ninja first on PATH (inherited by the ranks a launcher starts, and by the compiles)."""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(build_root())
+    interpreter_ninja_first()
+
+
+def interpreter_ninja_first() -> None:
+    """This interpreter's ninja (pip's, in its venv) first on PATH, for this process and those it
+    starts: another ninja version discards the build log and rebuilds every op."""
     bin_dir = str(Path(sys.executable).parent)
     if Path(bin_dir, "ninja").is_file() and os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])

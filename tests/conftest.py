@@ -47,6 +47,11 @@ def pin_op_builds() -> None:
         if "TORCH_EXTENSIONS_DIR" not in os.environ:
             ops_dir = Path(f"{ops_dir}-without-debug-info")
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ops_dir)
+    # This interpreter's ninja first on PATH for every process the tests start, as train.py's
+    # pin_builds does for its own: a process that builds an op without it (a benchmark's worker,
+    # a probe) took the system's ninja when the suite ran without the venv activated, and two
+    # ninja versions rebuild each other's ops (measured: the shm op built 3 times in one suite).
+    ops.interpreter_ninja_first()
 
 
 def wait_passively_for_openmp_work() -> None:
