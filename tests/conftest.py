@@ -72,6 +72,7 @@ wait_passively_for_openmp_work()
 # ones last, so both workers finish together instead of one running a long file alone at the end.
 # Only the order changes; a file missing here runs after these.
 HEAVIEST_FIRST = (
+    "test_composition.py",  # one launch of every pair: the suite's largest item (~17 min of a worker on an EPYC)
     "test_distributed.py",
     "test_ds_configs.py",
     "test_checkpoint.py",
