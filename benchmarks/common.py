@@ -42,13 +42,13 @@ if str(REPO) not in sys.path:  # lmrepo and hydra_plugins/ (conf/train.yaml name
 
 from lmrepo import ops  # noqa: E402  (after the path above)
 from lmrepo.compare import read_metrics  # noqa: E402
+from lmrepo.data.loader import Layout, LMData  # noqa: E402
+from lmrepo.device import isolate_compile_cache  # noqa: E402
 
 # train.py's build directory and ninja for DeepSpeed's ops, also in a worker that never starts
 # lmrepo's process group: a benchmark started without the venv on PATH would otherwise build
 # them with the system's ninja, and each ninja then rebuilds what the other built (lmrepo/ops.py).
 ops.pin_builds()
-from lmrepo.data.loader import Layout, LMData  # noqa: E402
-from lmrepo.device import isolate_compile_cache  # noqa: E402
 
 # What hides native bf16 from torch, as on an AMD Zen 3: oneDNN's kernels and ATen's dispatch capped at AVX2.
 NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}

@@ -11,6 +11,7 @@ Pure functions: no process group, no GPU. Sources:
 """
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -203,22 +204,21 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout) -> list[RankPara
         return float(sum(p.numel() / (layout.tp if id(p) in split else 1) for p in params))
 
     if config.pipeline.engine != "torch":  # the whole model, one FSDP2 unit per block and the root
-        return [RankParameters(elements({id(p): p for p in net.parameters()}.values()))]
+        return [RankParameters(elements(net.parameters()))]  # parameters() lists a tied weight once
     from lmrepo.engines.torch_pipeline import partition, placement, tied_owner
     from lmrepo.models import pipe
 
     pipeline = config.pipeline
     layers = pipe.pipeline_layers(net, config.model.family)
     bounds = partition(layers, layout.pp * pipeline.virtual_stages, pipeline.partition_method)
-    chunks = [{} for _ in range(layout.pp)]  # per pipeline rank: {parameter: how many of its chunks hold it}
+    chunks = [Counter() for _ in range(layout.pp)]  # per pipeline rank: how many of its chunks hold each parameter
     params = {}
     for chunk, rank in enumerate(placement(pipeline.schedule, layout.pp, pipeline.virtual_stages)):
         held = {}
         for index in range(bounds[chunk], bounds[chunk + 1]):
             held.update((id(p), p) for p in layers[tied_owner(layers, index)].build().parameters())
         params.update(held)
-        for key in held:
-            chunks[rank][key] = chunks[rank].get(key, 0) + 1
+        chunks[rank].update(held.keys())
     return [
         RankParameters(
             elements(params[key] for key, n in counts.items() if n == 1),

@@ -99,8 +99,7 @@ def parameters_held(engine) -> list[float] | None:
         modules = engine.chunks
     else:
         return None
-    unique = {id(p): p for p in modules.parameters()}
-    mine = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in unique.values())
+    mine = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in modules.parameters())
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, mine)
     return held
