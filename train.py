@@ -22,6 +22,7 @@ from lmrepo.config.messages import one_line_config_errors
 from lmrepo.errors import ConfigError
 from lmrepo.launch import adopt_slurm_env, prepare_argv, world_size
 from lmrepo.rundir import refuse
+from lmrepo.stop import StopRequest
 
 prepare_argv()  # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
 register()  # the typed schema conf/train.yaml composes over
@@ -30,6 +31,9 @@ quiet.install()  # library notices that ask nothing of the user; hydra.verbose=t
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    # First: a SIGTERM (a sweep's timeout, a scheduler) from here on, in a start-up that can take
+    # minutes, is answered with a checkpoint after the first step, as one that comes during training.
+    checkpoint_requests = StopRequest()
     if HydraConfig.get().verbose:
         quiet.uninstall()
     try:
@@ -54,7 +58,7 @@ def main(cfg: DictConfig) -> None:
     gc.freeze()
     gc.enable()
 
-    train(cfg, job)
+    train(cfg, job, checkpoint_requests)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ DeepSpeed config, not here: the loop is the same for every ZeRO stage, precision
 
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from lmrepo.config import TrainerConfig
 from lmrepo.engines.base import Engine
 from lmrepo.errors import TrainingError
 from lmrepo.metrics import memory_gb
+from lmrepo.stop import StopRequest
 
 
 @dataclass
@@ -45,35 +45,6 @@ class TrainState:
 
     step: int = 0  # optimizer steps done
     consumed: int = 0  # samples consumed, all ranks together (the data order's position)
-
-
-def preemption_signal() -> signal.Signals:
-    """The signal Slurm sends before a job's time limit under submitit (`--signal=USR2@<delay>`;
-    SUBMITIT_PREEMPT_SIGNAL changes it)."""
-    return signal.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper().removeprefix("SIG")]
-
-
-class StopRequest:
-    """SIGTERM (a scheduler's pre-emption), SIGINT (Ctrl-C) or submitit's time-limit signal
-    (SIGUSR2) asks for a checkpoint at the next step boundary on every rank; a second SIGINT
-    interrupts at once. A handler that was there before (submitit's, which requeues the job) is
-    called once the checkpoint is saved (`hand_back`)."""
-
-    def __init__(self):
-        self.signal_name, self.signum = None, None
-        self.previous = {}
-        for signum in (signal.SIGTERM, signal.SIGINT, preemption_signal()):
-            self.previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal_name, self.signum = signal.Signals(signum).name, signum
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def hand_back(self) -> None:
-        previous = self.previous.get(self.signum)
-        if callable(previous) and previous is not signal.default_int_handler:
-            previous(self.signum, None)
 
 
 class Progress:

@@ -21,11 +21,12 @@ from lmrepo.evaluation import Downstream
 from lmrepo.evaluation.tasks import TaskSet
 from lmrepo.figures import read_metrics, run_figures
 from lmrepo.loggers import build_sinks
-from lmrepo.loop import StopRequest, Throughput, TrainState, fit
+from lmrepo.loop import Throughput, TrainState, fit
 from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, machine_name, peak_tflops
 from lmrepo.nvme import use_per_run_swap
 from lmrepo.plan import Plan
 from lmrepo.rundir import check_unused, own, refuse, remove_if_empty, truncate_metrics, write_config_files, write_status
+from lmrepo.stop import StopRequest
 from lmrepo.tokenizer import load_tokenizer
 from lmrepo.user_config import redact
 from lmrepo.watchdog import Watchdog
@@ -163,8 +164,10 @@ def engine_data(config: TrainConfig, ds_config: dict, engine, sources, tokenizer
     )
 
 
-def train(cfg: DictConfig, job: Plan) -> dict:
-    """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan)."""
+def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
+    """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan).
+    `checkpoint_requests` is the stop request train.py installed first thing: a signal during
+    start-up still counts."""
     # status.json's wall_s covers the whole command: the interpreter's start, imports and planning too
     started = psutil.Process().create_time()
     run_dir = Path(cfg.run.dir)
@@ -182,7 +185,6 @@ def train(cfg: DictConfig, job: Plan) -> dict:
 
     if job.device.type == "cpu" and config.run.cpu_keep_freed_memory:
         cpu_malloc.keep_freed_memory()
-    checkpoint_requests = StopRequest()  # before the process group: a signal during start-up still counts
     launch.init_distributed(config.run.hang_timeout_s)
     atexit.register(launch.release_shm_buffer)  # also after a failure; only kill -9 escapes it
     run_dir, resume = agree_with_rank0(run_dir, resume)
