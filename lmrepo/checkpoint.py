@@ -35,6 +35,7 @@ from filelock import FileLock
 from lmrepo import safe_load
 from lmrepo.config import ModelConfig, PipelineConfig, from_dict
 from lmrepo.engines.base import Engine
+from lmrepo.engines.layer_files import has_layer_optimizer_states
 from lmrepo.errors import ConfigError, TrainingError, disk_error
 from lmrepo.loop import TrainState
 from lmrepo.rundir import fsync_dir, write_durably
@@ -456,14 +457,23 @@ def inspect(
         )
     saved_layout = pipeline_layout(from_dict(PipelineConfig, states["config"].get("pipeline") or {}))
     layout = pipeline_layout(pipeline_cfg or PipelineConfig())
-    if pipeline_cfg is not None and saved_layout != layout:
+    if saved_layout["engine"] == "torch" and not has_layer_optimizer_states(tag_dir):
+        raise ConfigError(
+            f"checkpoint {tag_dir} holds a torch pipeline's optimizer states per rank, as an older lmrepo wrote "
+            "them: resume it with that version, or export it (scripts/export_hf.py RUN OUT) and start from "
+            "model.pretrained=OUT"
+        )
+    # A torch pipeline's layer files (the same under either engine) load into any split, and into
+    # engine=fsdp2 without a pipeline.
+    any_layout = saved_layout["engine"] == "torch" and (layout["engine"] == "torch" or engine == "fsdp2")
+    if pipeline_cfg is not None and saved_layout != layout and not any_layout:
         differs = ", ".join(f"pipeline.{k}={v}" for k, v in saved_layout.items() if layout[k] != v)
         raise ConfigError(
             f"checkpoint {tag_dir} was saved with another pipeline layout ({differs}): resume with the "
             "same pipeline settings, or export it (scripts/export_hf.py) and start from model.pretrained"
         )
     saved_engine = (states["config"].get("engine") or {}).get("name", "deepspeed")
-    if saved_engine != engine:
+    if saved_engine != engine and not any_layout:
         raise ConfigError(
             f"checkpoint {tag_dir} was written by engine={saved_engine}, this run is engine={engine}: resume with "
             f"engine={saved_engine}, or export it (scripts/export_hf.py RUN OUT) and start from model.pretrained=OUT"

@@ -78,7 +78,8 @@ def consolidate(source: str) -> Consolidated:
     if "config" not in states:
         raise ConfigError(f"{directory / tag} was not written by lmrepo: no config to rebuild the model from")
     tp = states["config"].get("tp") or {}
-    if tp.get("mode") == "auto" and states.get("engine") != "fsdp2":  # DCP joins FSDP2's tp slices
+    engine = (states["config"].get("engine") or {}).get("name", "deepspeed")
+    if tp.get("mode") == "auto" and engine != "fsdp2":  # FSDP2's slices are joined (DCP, a pipeline's whole layers)
         raise ConfigError(
             f"{directory / tag} is a tensor-parallel checkpoint (tp.size={tp.get('size')}): each rank of DeepSpeed's "
             "AutoTP saved its own slice of the weights and lmrepo does not join them: export or evaluate a tp=none "

@@ -147,5 +147,18 @@ def case_name(words: list[str]) -> str:
     return " ".join(words)
 
 
+def case_dir(out, words: list[str]):
+    """Where the probe keeps a case's checkpoints (`probe.save_at=K`): a run directory of its own
+    under the probe's OUT (checkpoints/step_K and `latest`), named by the case's words."""
+    import hashlib
+
+    return out / ("case_" + hashlib.sha1(case_name(words).encode()).hexdigest()[:12])
+
+
+def saved(out, words: list[str], step: int) -> str:
+    """The word that resumes a case from the checkpoint the case `words` saved at `step`."""
+    return f"probe.resume={case_dir(out, words) / 'checkpoints' / f'step_{step:08d}'}"
+
+
 # Pairs whose comparison another test file makes (with the reason this module does not repeat it).
 ELSEWHERE: dict[frozenset, str] = {}

@@ -7,6 +7,11 @@ What one configuration leaves in the process is undone before the next: DeepSpee
 groups (AutoTP's mesh, the expert groups), transformers' attention functions (sequence
 parallelism wraps SDPA), torch.compile's caches.
 
+A case's words may hold the probe's own: `probe.save_at=K` saves a checkpoint after step K, as
+train.py does, in a run directory of the case's own (tests/composition.py's case_dir), training on
+after it; `probe.resume=TAG_DIR` loads one (any layout's, as run.resume would) and trains from its
+step on: the losses and norms are then those of the steps after it.
+
 Usage: composition_probe.py OUT_JSON CASES_JSON (a list of override lists)."""
 
 import gc
@@ -18,13 +23,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from composition import case_dir
 from transformers import set_seed
 
+from lmrepo import checkpoint
 from lmrepo.compose import compose_config
+from lmrepo.config import to_dict
 from lmrepo.data.prepare import prepare_sources
 from lmrepo.engines import build_engine
 from lmrepo.errors import ConfigError
 from lmrepo.launch import init_distributed, world_size
+from lmrepo.loop import TrainState
 from lmrepo.plan import plan
 from lmrepo.run import engine_data
 from lmrepo.tokenizer import load_tokenizer
@@ -105,20 +114,41 @@ def parameters_held(engine) -> list[float] | None:
     return held
 
 
+def probe_options(words: list[str]) -> tuple[list[str], int, Path | None]:
+    """(the configuration's overrides, probe.save_at (0: none), probe.resume or None)."""
+    options = dict(w.removeprefix("probe.").split("=", 1) for w in words if w.startswith("probe."))
+    resume = options.get("resume")
+    return [w for w in words if not w.startswith("probe.")], int(options.get("save_at", 0)), resume and Path(resume)
+
+
 def run(words: list[str], out: Path, tokenizer, sources) -> dict:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    job = plan(compose_config(words, run_dir=out / "unused"), world_size())
-    set_seed(job.config.trainer.seed)
+    overrides, save_at, resume = probe_options(words)
+    job = plan(compose_config(overrides, run_dir=out / "unused"), world_size())
+    config = job.config
+    set_seed(config.trainer.seed)
     engine = build_engine(job)
-    data = engine_data(job.config, job.ds_config, engine, sources, tokenizer)
+    state = TrainState()
+    if resume is not None:
+        found = checkpoint.inspect(
+            resume.parent, resume.name, config.model, len(tokenizer), config.pipeline, config.engine.name
+        )
+        state = checkpoint.load(engine, found)
+    data = engine_data(config, job.ds_config, engine, sources, tokenizer)
+    checkpoint_dir = case_dir(out, words) / "checkpoints"
     losses, norms = [], []
-    for step in range(job.config.trainer.max_steps):
-        loss = engine.train_step(data.train_step(step * data.layout.global_batch)).float().reshape(1)
+    while state.step < config.trainer.max_steps:
+        loss = engine.train_step(data.train_step(state.consumed)).float().reshape(1)
+        state.step, state.consumed = state.step + 1, state.consumed + data.layout.global_batch
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
         norms.append(engine.step_record().get("grad_norm"))
+        if state.step == save_at:
+            tag = checkpoint.save(engine, checkpoint_dir, state, to_dict(config), len(tokenizer))
+            checkpoint.finish(engine, checkpoint_dir, tag)
+            checkpoint.promote(checkpoint_dir, tag, keep_last=0)
     held = parameters_held(engine)
     del engine, data
     return {"losses": losses, "grad_norms": norms, "compiled_by": compiled_by(), "parameters_held": held}
@@ -128,7 +158,7 @@ def main(out_file: Path, cases_file: Path) -> None:
     cases = json.loads(cases_file.read_text())
     out = out_file.parent
     init_distributed()
-    first = compose_config(cases[0], run_dir=out / "unused")
+    first = compose_config(probe_options(cases[0])[0], run_dir=out / "unused")
     tokenizer = load_tokenizer(first.model.tokenizer, None)
     sources = prepare_sources(plan(first, world_size()).config.data, tokenizer)
     attention = attention_functions()

@@ -15,6 +15,8 @@ import json
 import os
 import pickle
 import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import composition
 import pytest
@@ -264,17 +266,77 @@ EIGHT_RANKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def eight_ranks(tmp_path_factory) -> dict:
-    """FSDP2 over 8 ranks and the two 3-D layouts, one sequence per micro batch, in one launch."""
-    results = probe(tmp_path_factory.mktemp("eight_ranks"), 8, list(EIGHT_RANKS.values()))
-    return {name: results[tuple(words)] for name, words in EIGHT_RANKS.items()}
+# Checkpoints of every layout, in the same launches: the saved layouts checkpoint at SAVE_AT and
+# train on; a resumed case builds its engine afresh, loads one and trains the steps after it. On
+# the layout that saved it, it must give those steps' losses and norms bit for bit; on another, the
+# same within the rounding of another reduction order. A pipeline's checkpoint (one file per
+# layer, whole tensors by name) loads into any split and into a model without a pipeline; DCP's
+# (every layout without a pipeline) reshards on load.
+SAVE_AT = 5
+SAVED_4 = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_TP_4]
+RESHARDED_4 = [(TP_4, FSDP2_4), (PP_TP_4, TP_4), (PP_4, HSDP_4)]  # (the layout that saved, the one that resumes)
+# 2 x 2 -> 4 x 1 -> 1 rank: the 4 x 1 run that resumed the tensor-parallel checkpoint saves again here
+CHAIN_AT = 7
+SAVED_8 = ["flat", "replicas", "tensor"]
+# One process, the global batches of the 4- and 8-rank runs (2 and 4 micro batches of 2 sequences)
+ONE_4 = (*composition.overrides("fsdp2"), STEPS)
+ONE_8 = (*composition.overrides("fsdp2"), "trainer.global_batch_size=8", STEPS)
+
+
+@dataclass
+class Probed:
+    out: Path  # the probe's directory: each saving case's run directory under it (composition.case_dir)
+    runs: dict  # a layout (its words, or its name in EIGHT_RANKS) -> its result over STEPS
+    resumed: dict = field(default_factory=dict)  # (layout that saved, layout that resumed) -> the steps after
+
+    def words(self, layout) -> list[str]:
+        """The layout's words as the probe ran them (a saving layout's with probe.save_at)."""
+        words = list(EIGHT_RANKS[layout] if isinstance(layout, str) else layout)
+        return [*words, f"probe.save_at={SAVE_AT}"] if layout in SAVED_4 + SAVED_8 else words
+
+    def resuming(self, saved, layout) -> list[str]:
+        """`layout`'s words resuming the checkpoint `saved` wrote at SAVE_AT."""
+        words = list(EIGHT_RANKS[layout] if isinstance(layout, str) else layout)
+        return [*words, composition.saved(self.out, self.words(saved), SAVE_AT)]
+
+
+def run_probe(out: Path, ranks: int, layouts: list, resumes: list[tuple]) -> Probed:
+    probed = Probed(out, {})
+    cases = [probed.words(layout) for layout in layouts]
+    chain = [f"probe.save_at={CHAIN_AT}"]
+    cases += [probed.resuming(*pair) + (chain if pair == (TP_4, FSDP2_4) else []) for pair in resumes]
+    results = probe(out, ranks, cases)
+    probed.runs = {layout: results[tuple(probed.words(layout))] for layout in layouts}
+    probed.resumed = {pair: results[tuple(case)] for pair, case in zip(resumes, cases[len(layouts) :])}
+    return probed
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory) -> dict:
-    cases = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_1F1B_4, PP_TP_4, FSDP2_TIED_4, PP_SHARED_4]
-    return probe(tmp_path_factory.mktemp("four_ranks"), 4, [list(case) for case in cases])
+def eight_ranks(tmp_path_factory) -> Probed:
+    """FSDP2 over 8 ranks and the two 3-D layouts, one sequence per micro batch, in one launch; each
+    saved halfway and resumed on itself."""
+    out = tmp_path_factory.mktemp("eight_ranks")
+    return run_probe(out, 8, list(EIGHT_RANKS), [(name, name) for name in SAVED_8 if name != "flat"])
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> Probed:
+    layouts = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_1F1B_4, PP_TP_4, FSDP2_TIED_4, PP_SHARED_4]
+    resumes = [(layout, layout) for layout in SAVED_4] + RESHARDED_4
+    return run_probe(tmp_path_factory.mktemp("four_ranks"), 4, layouts, resumes)
+
+
+@pytest.fixture(scope="module")
+def one_rank(four_ranks, eight_ranks, tmp_path_factory) -> dict:
+    """One process resuming the 4 x 1 run's step-7 checkpoint (the end of 2 x 2 -> 4 x 1 -> 1) and
+    the 3-D pipeline x data x tensor checkpoint."""
+    chain = four_ranks.resuming(TP_4, FSDP2_4) + [f"probe.save_at={CHAIN_AT}"]
+    cases = {
+        "chain": [*ONE_4, composition.saved(four_ranks.out, chain, CHAIN_AT)],
+        "3-D": [*ONE_8, composition.saved(eight_ranks.out, eight_ranks.words("tensor"), SAVE_AT)],
+    }
+    results = probe(tmp_path_factory.mktemp("one_rank"), 0, list(cases.values()))
+    return {name: results[tuple(words)] for name, words in cases.items()}
 
 
 def assert_trains_as(ours: dict, theirs: dict, later_norms: bool = True) -> None:
@@ -295,7 +357,7 @@ def assert_trains_as(ours: dict, theirs: dict, later_norms: bool = True) -> None
 def test_hsdp_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks):
     """engine.replicate=2 on 4 ranks: 2 replicas, each sharding the model over 2 ranks (FSDP2 on a
     replicate x shard mesh), trains as FSDP2 sharding over all 4 (the same global batch)."""
-    assert_trains_as(four_ranks[HSDP_4], four_ranks[FSDP2_4], later_norms=False)
+    assert_trains_as(four_ranks.runs[HSDP_4], four_ranks.runs[FSDP2_4], later_norms=False)
 
 
 @pytest.mark.distributed
@@ -304,7 +366,7 @@ def test_fsdp2_tensor_parallel_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_rank
     tensor-parallel ranks, fully_shard over the 2 data-parallel ones (a data x tensor mesh), trains
     as FSDP2 sharding over all 4. Its gradient norm, logged and clipped by, is the whole model's:
     one that left out a tensor-parallel rank's shards would be far outside the first norm's 1e-4."""
-    assert_trains_as(four_ranks[TP_4], four_ranks[FSDP2_4])
+    assert_trains_as(four_ranks.runs[TP_4], four_ranks.runs[FSDP2_4])
 
 
 @pytest.mark.distributed
@@ -317,7 +379,7 @@ def test_fsdp2_pipeline_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks, pipe
     (pipeline x tensor), trains as FSDP2 over all 4. The gradient norm is
     summed over both stages and both shards: one stage's or one shard's alone is off by far more
     than the first norm's 1e-4 (stage 0's alone: 0.89 of the whole, shared/DESIGN.md)."""
-    assert_trains_as(four_ranks[pipeline], four_ranks[FSDP2_4])
+    assert_trains_as(four_ranks.runs[pipeline], four_ranks.runs[FSDP2_4])
 
 
 @pytest.mark.distributed
@@ -325,7 +387,7 @@ def test_fsdp2_pipeline_keeps_a_weight_two_chunks_of_a_rank_share_whole(four_ran
     """A tied embedding that two chunks of one rank hold (one stage, two looped chunks) stays a
     whole tensor outside FSDP2, its gradient averaged over the data-parallel ranks by lmrepo:
     trains as FSDP2 over 4 ranks of the same tied model."""
-    assert_trains_as(four_ranks[PP_SHARED_4], four_ranks[FSDP2_TIED_4])
+    assert_trains_as(four_ranks.runs[PP_SHARED_4], four_ranks.runs[FSDP2_TIED_4])
 
 
 @pytest.mark.distributed
@@ -337,7 +399,7 @@ def test_three_dimensions_on_8_ranks_equal_fsdp2_over_8(eight_ranks, third):
     stage). The norm is made whole over the shards, the tensor-parallel slices and the stages, and
     not summed over the replicas (which hold the same gradient): any of those wrong is off by far
     more than the first norm's 1e-4 (measured: losses 2e-7 apart, first norms 2e-5)."""
-    assert_trains_as(eight_ranks[third], eight_ranks["flat"])
+    assert_trains_as(eight_ranks.runs[third], eight_ranks.runs["flat"])
 
 
 @pytest.mark.distributed
@@ -350,8 +412,8 @@ def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, ei
     from lmrepo.estimate import fsdp2_rank_parameters, meta_model
     from lmrepo.layout import ParallelLayout
 
-    runs = [(list(words), 4, result) for words, result in four_ranks.items()]
-    runs += [(EIGHT_RANKS[name], 8, result) for name, result in eight_ranks.items()]
+    runs = [(list(words), 4, result) for words, result in four_ranks.runs.items()]
+    runs += [(EIGHT_RANKS[name], 8, result) for name, result in eight_ranks.runs.items()]
     for words, ranks, result in runs:
         config = load_config(words)
         layout = ParallelLayout.of(config, ranks)
@@ -367,6 +429,105 @@ def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, ei
             assert abs(held[rank] - stage.per_rank(layout.dp_shard)) <= rows, (words, rank, held, stage)
 
 
+def continues(result: dict, reference: dict, after: int) -> None:
+    """A resumed run's steps against the uninterrupted run's steps after `after`: losses and norms
+    within the rounding of another reduction order (the first resumed norm drifts as later norms
+    do: Adam has amplified five steps of rounding by then)."""
+    from test_composition import FP32, close
+
+    assert "losses" in result, result
+    theirs = {key: reference[key][after:] for key in ("losses", "grad_norms")}
+    for step, (loss, norm, their_loss, their_norm) in enumerate(
+        zip(result["losses"], result["grad_norms"], theirs["losses"], theirs["grad_norms"], strict=True), after + 1
+    ):
+        assert close(loss, their_loss, FP32["loss"]) and close(norm, their_norm, FP32["norm"]), (step, result, theirs)
+
+
+@pytest.mark.distributed
+def test_every_layout_resumes_bit_for_bit(four_ranks, eight_ranks):
+    """FSDP2, HSDP, data x tensor, pipeline x data, pipeline x tensor (4 ranks) and both 3-D layouts
+    (8 ranks), each saved at step 5 and resumed on itself by a fresh engine: steps 6-10 give the
+    uninterrupted run's losses and gradient norms exactly. A state restored approximately (a
+    moment, the rate, the data position, a slice of a DTensor) moves them at once."""
+    pairs = [(four_ranks, layout) for layout in SAVED_4] + [(eight_ranks, n) for n in SAVED_8 if n != "flat"]
+    for probed, layout in pairs:
+        resumed, run = probed.resumed[layout, layout], probed.runs[layout]
+        assert "losses" in resumed, resumed
+        assert resumed["losses"] == run["losses"][SAVE_AT:], layout
+        assert resumed["grad_norms"] == run["grad_norms"][SAVE_AT:], layout
+
+
+@pytest.mark.distributed
+def test_checkpoints_reshard_from_2x2_to_4x1_to_one_rank(four_ranks, one_rank):
+    """The data x tensor checkpoint resumed by FSDP2 over 4 ranks, whose step-7 checkpoint one
+    process resumes: each continues the uninterrupted 2 x 2 run. A pipeline x tensor checkpoint
+    resumed without the pipeline, and a pipeline x data one by HSDP: a pipeline's layer files load
+    into a model that has no stages."""
+    tensor = four_ranks.runs[TP_4]
+    continues(four_ranks.resumed[TP_4, FSDP2_4], tensor, SAVE_AT)
+    continues(one_rank["chain"], tensor, CHAIN_AT)
+    for saved, layout in RESHARDED_4[1:]:
+        continues(four_ranks.resumed[saved, layout], four_ranks.runs[saved], SAVE_AT)
+
+
+@pytest.mark.distributed
+def test_a_3d_checkpoint_resumes_exports_evaluates_and_generates_on_one_process(eight_ranks, one_rank, tmp_path):
+    """The pipeline x data x tensor checkpoint (8 ranks): one process resumes it and continues the
+    3-D run. scripts/export_hf.py writes a directory transformers loads with the weights of the
+    8-rank FSDP2 run at the same step (NORM_STEPS: their gradient norms agree so far); lm-eval
+    scores it as that run's weights; scripts/generate.py writes from it."""
+    from test_evaluate import assert_same_results, in_process
+    from transformers import AutoModelForCausalLM
+
+    from lmrepo.export import consolidate
+    from lmrepo.tokenizer import load_tokenizer
+
+    continues(one_rank["3-D"], eight_ranks.runs["tensor"], SAVE_AT)
+    tags = {
+        name: composition.case_dir(eight_ranks.out, eight_ranks.words(name)) / "checkpoints" / f"step_{SAVE_AT:08d}"
+        for name in ("tensor", "flat")
+    }
+    exported = tmp_path / "hf"
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(tags["tensor"]), str(exported)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flat = consolidate(str(tags["flat"]))
+    weights = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert_close(weights, flat.model.state_dict(), NORM_STEPS, "the exported 3-D weights")
+
+    tokenizer = load_tokenizer(flat.config.tokenizer)
+    scores = [in_process(consolidate(str(tags[n])).model, tokenizer, ["shakespeare_cloze"]) for n in tags]
+    assert_same_results(*(score["results"] for score in scores))
+
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "generate.py"), f"run={tags['tensor']}", "prompt=ROMEO:",
+         "max_new_tokens=4", f"json={out}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["prompt"] == "ROMEO:"
+
+
+@pytest.mark.distributed
+def test_a_data_x_tensor_run_killed_resumes_bit_for_bit(tmp_path):
+    """engine=fsdp2 tp=auto on 4 ranks (2 data x 2 tensor) killed with SIGKILL mid-run: `latest`
+    names a whole DCP checkpoint of the 2-D mesh (its last save may be half written), and resuming
+    from it gives the killed run's own losses and norms for the steps it had logged."""
+    run_dir = tmp_path / "run"
+    overrides = [*TP_4, "trainer.max_steps=400", "trainer.save_every=3"]
+    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8, ranks=4).split("_")[1])
+    killed = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir) if "loss" in m}
+    assert max(killed) > latest, (killed, latest)
+    until = max(killed)
+    resumed = run_train([*TINY, *overrides, f"trainer.max_steps={until}", "run.resume=auto"], run_dir, ranks=4)
+    assert_ok(resumed)
+    ours = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir) if "loss" in m and m["step"] > latest}
+    assert ours == {step: logged for step, logged in killed.items() if step > latest}
+
+
 @pytest.mark.distributed
 def test_fsdp2_pipeline_checkpoint_resumes_on_another_layout(tmp_path):
     """A pipeline x data (2 x 2) checkpoint of engine=fsdp2: whole tensors on file (each stage's
@@ -377,8 +538,7 @@ def test_fsdp2_pipeline_checkpoint_resumes_on_another_layout(tmp_path):
     four, two = tmp_path / "four", tmp_path / "two"
     assert_ok(run_train(job, four, ranks=4))
     files = {p.name for p in (four / FIRST).iterdir()}
-    assert {"layer_00-model_states.pt", "torch_pipe_rank_00000_optim_states.pt"} <= files, files
-    assert "torch_pipe_rank_00001_optim_states.pt" not in files, files  # one file per stage: whole states
+    assert {"layer_00-model_states.pt", "layer_00-optim_states.pt"} <= files, files  # whole tensors by name
     assert_ok(run_train([*job, f"run.resume={four / FIRST}"], two, ranks=2))
     reference = {step: loss for step, loss in lines(four, "loss").items() if step > 3}
     assert sorted(lines(two, "loss")) == sorted(reference)

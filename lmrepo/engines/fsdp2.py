@@ -39,9 +39,10 @@ from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, T
 from lmrepo.device import isolate_compile_cache
 from lmrepo.engines.base import TORCH_OPTIMIZERS, to_device
 from lmrepo.engines.deepspeed import param_groups
+from lmrepo.engines.layer_files import has_layer_optimizer_states, load_layer, load_optimizer_states, sliced_like
 from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
-from lmrepo.models import build_model
+from lmrepo.models import build_model, pipe
 from lmrepo.schedules import build_scheduler
 from lmrepo.tp import block_tp_plan
 
@@ -73,8 +74,9 @@ class FSDP2Engine:
         device: torch.device,
         layout: ParallelLayout,
         mesh: DeviceMesh,
+        family: str,
     ):
-        self.device = device
+        self.device, self.family = device, family
         self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
         # FSDP shards over the data-parallel ranks; with replicas (HSDP) over the ranks of one replica,
         # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard).
@@ -184,6 +186,8 @@ class FSDP2Engine:
     def load(self, directory: Path, tag: str) -> dict:
         tag_dir = Path(directory, str(tag))
         states = safe_load.load(tag_dir / CLIENT_STATE_FILE)
+        if has_layer_optimizer_states(tag_dir):  # a pipeline's checkpoint (engine=fsdp2 with a torch pipeline)
+            return self._load_pipeline_checkpoint(tag_dir, states)
         if states.get("engine") != "fsdp2":
             raise ConfigError(
                 f"{tag_dir} was written by DeepSpeed's engine: resume it with engine=deepspeed, or export it "
@@ -200,6 +204,25 @@ class FSDP2Engine:
         self.global_steps = states["global_steps"]
         engine_keys = {"module", "engine", "global_steps", "lr_scheduler"}
         return {k: v for k, v in states.items() if k not in engine_keys}
+
+    def _load_pipeline_checkpoint(self, tag_dir: Path, states: dict) -> dict:
+        """A pipeline's layer files (lmrepo.engines.layer_files) into the whole model: each layer's
+        names mapped to the model's, each tensor sliced as this rank holds it."""
+        params = dict(self.module.named_parameters())
+        weights, saved_states = {}, []
+        for index, names in pipe.hf_names(self.module, self.family).items():
+            layer_weights, layer_states = load_layer(tag_dir, index, self.device)
+            for name, model_name in names.items():
+                weights[model_name] = sliced_like(layer_weights[name], params[model_name])
+                saved_states.append((params[model_name], layer_states[name]))
+        if missing := sorted(set(params) - set(weights)):
+            raise ConfigError(f"{tag_dir} has no weights for {', '.join(missing[:3])}: resume from another checkpoint")
+        self.module.load_state_dict(weights, strict=False)  # every parameter (checked); the buffers are the model's
+        load_optimizer_states(self.optimizer, saved_states)
+        self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+        self.global_steps = states["global_steps"]
+        pipeline_keys = {"module", "global_steps", "dp_world_size", "mp_world_size", "tp_world_size"}
+        return {k: v for k, v in states.items() if k not in pipeline_keys | {"torch_pipeline_parts", "lr_scheduler"}}
 
 
 def data_mesh(layout: ParallelLayout, mesh: DeviceMesh) -> DeviceMesh:
@@ -339,6 +362,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
         device=device,
         layout=layout,
         mesh=mesh,
+        family=config.model.family,
     )
 
 

@@ -19,7 +19,8 @@ wherever they exist, so both paths train the same model the same way:
   matmuls in bf16). DeepSpeed's bf16 keeps bf16 weights with fp32 masters instead: the two agree
   to bf16 rounding, not bit for bit;
 - checkpoints: DeepSpeed's pipeline layout (layer_NN-model_states.pt per layer, NN the layer index, the client state
-  in mp_rank_00_model_states.pt) plus torch_pipe_rank_<rank, 5 digits>_optim_states.pt per rank.
+  in mp_rank_00_model_states.pt) plus layer_NN-optim_states.pt per layer: whole tensors by name, which
+  any split loads (lmrepo.engines.layer_files).
 
 engine=fsdp2 shards each stage over its data-parallel ranks (a pipeline x data mesh, or pipeline x
 replicate x shard: HSDP), torchtitan's way: in each transformer block of a stage, with tp=auto, the
@@ -67,7 +68,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from lmrepo import safe_load
 from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
@@ -75,8 +76,17 @@ from lmrepo.config.parallel import V_SCHEDULES
 from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
 from lmrepo.engines.fsdp2 import by_mesh, data_mesh, global_grad_norm, parallelize_block, transformer_blocks
+from lmrepo.engines.layer_files import (
+    load_layer,
+    load_optimizer_states,
+    local,
+    optimizer_file,
+    optimizer_states,
+    sliced_like,
+    weights_file,
+    whole,
+)
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
-from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
@@ -208,25 +218,6 @@ def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Para
                 fully_shard(module, **policy)
         fully_shard(chunk, **policy)
     return shared
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A rank's own part of a tensor: its shard of a DTensor (the same storage), else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def whole(state: dict) -> dict:
-    """A state dict with every DTensor gathered whole (a collective over its mesh: every rank of the
-    stage calls it, in the same order)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-
-
-def sliced_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A whole tensor as a DTensor placed as `like` (this rank's slice taken locally: every rank
-    holds the whole), or `value` itself where `like` is not a DTensor."""
-    if not isinstance(like, DTensor) or value.shape != like.shape:
-        return value
-    return distribute_tensor(value.to(local(like).device), like.device_mesh, like.placements, src_data_rank=None)
 
 
 # --- the engine ----------------------------------------------------------------------------
@@ -504,7 +495,7 @@ class TorchPipelineEngine:
         squares = [g.detach().float().pow(2).sum() for g in grads]
         return torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
 
-    # --- checkpoints (DeepSpeed's pipeline layout)
+    # --- checkpoints (DeepSpeed's pipeline layout, lmrepo.engines.layer_files)
 
     def _saved_layers(self):
         """(global index, module) of each layer this rank writes: not the tied copies."""
@@ -513,8 +504,7 @@ class TorchPipelineEngine:
     def save(self, save_dir: Path, tag: str, client_state: dict) -> None:
         directory = Path(save_dir, str(tag))
         directory.mkdir(parents=True, exist_ok=True)
-        rank = dist.get_rank()
-        if rank == 0:
+        if dist.get_rank() == 0:
             torch.save(
                 {
                     "module": None,
@@ -523,59 +513,41 @@ class TorchPipelineEngine:
                     "mp_world_size": self.stages,
                     "tp_world_size": self.tp,
                     "torch_pipeline_parts": self.parts,
+                    "lr_scheduler": self.lr_scheduler.state_dict(),  # one schedule: every stage's is equal
                     **client_state,
                 },
                 directory / "mp_rank_00_model_states.pt",
             )
-        # The replicas hold the same weights: the first writes them. Under FSDP2 every rank of the
-        # stage gathers its shards into whole tensors (collectives), and the first writes them.
+        # The replicas hold the same weights and states: the first writes them. Under FSDP2 every
+        # rank of the stage gathers its shards into whole tensors (collectives), the first writes them.
         for index, layer in self._saved_layers():
             if self.writer or self.sharding is not None:
-                state = whole(layer.state_dict())
+                weights = whole(layer.state_dict())
+                states = optimizer_states(list(layer.named_parameters()), self.optimizer)
                 if self.writer:
-                    torch.save(state, directory / f"layer_{index:02d}-model_states.pt")
-        optimizer = self.optimizer.state_dict()
-        if self.sharding is not None:
-            optimizer["state"] = {i: whole(state) for i, state in sorted(optimizer["state"].items())}
-        if self.writer or self.sharding is None:
-            torch.save(
-                {"stage": self.stage_id, "optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict()},
-                directory / f"torch_pipe_rank_{rank:05d}_optim_states.pt",
-            )
+                    torch.save(weights, weights_file(directory, index))
+                    torch.save(states, optimizer_file(directory, index))
         dist.barrier()
 
     def finish_save(self) -> None:
         pass  # save() returns with the files written
 
     def load(self, load_dir: Path, tag: str) -> dict:
+        """Any split's checkpoint: each layer's weights and optimizer states by name, sliced as this
+        rank holds them. A tied copy (the LM head of tied embeddings on the last stage) reads its
+        owner's files."""
         directory = Path(load_dir, str(tag))
-        states = safe_load.load(directory / "mp_rank_00_model_states.pt")
-        if states.get("mp_world_size") != self.stages or states.get("torch_pipeline_parts") != self.parts:
-            raise ConfigError(
-                f"{directory} was saved by another pipeline split ({states.get('mp_world_size')} stages, "
-                f"layer boundaries {states.get('torch_pipeline_parts')}; this run: {self.stages} stages, "
-                f"{self.parts}): resume with the same pipeline.stages, virtual_stages and partition"
-            )
+        states = safe_load.load(directory / "mp_rank_00_model_states.pt")  # an older format: refused by inspect
+        saved_states = []
         for index, layer in self.layers.items():
             owner = tied_owner(self.layer_specs, index)
             target = layer.module if is_tied_copy(self.layer_specs[index]) else layer
-            saved = safe_load.load(directory / f"layer_{owner:02d}-model_states.pt", map_location=self.device)
+            weights, optimizer = load_layer(directory, owner, self.device)
             mine = target.state_dict()
-            target.load_state_dict({k: sliced_like(v, mine[k]) if k in mine else v for k, v in saved.items()})
-        # The replicas' optimizer states are equal: replica 0's file of this stage serves any data-parallel size.
-        saved_rank = self.stage_id * states["dp_world_size"] * states.get("tp_world_size", 1)
-        optim = safe_load.load(
-            directory / f"torch_pipe_rank_{saved_rank:05d}_optim_states.pt", map_location=self.device
-        )
-        optimizer = optim["optimizer"]
-        if self.sharding is not None:  # whole tensors on file: each state sliced as its parameter
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            optimizer["state"] = {
-                i: {k: sliced_like(v, params[i]) if torch.is_tensor(v) else v for k, v in state.items()}
-                for i, state in optimizer["state"].items()
-            }
-        self.optimizer.load_state_dict(optimizer)
-        self.lr_scheduler.load_state_dict(optim["lr_scheduler"])
+            target.load_state_dict({k: sliced_like(v, mine[k]) if k in mine else v for k, v in weights.items()})
+            saved_states += [(param, optimizer[name]) for name, param in target.named_parameters()]
+        load_optimizer_states(self.optimizer, saved_states)
+        self.lr_scheduler.load_state_dict(states["lr_scheduler"])
         self.global_steps = states["global_steps"]
         engine_keys = {
             "module",
@@ -584,6 +556,7 @@ class TorchPipelineEngine:
             "mp_world_size",
             "tp_world_size",
             "torch_pipeline_parts",
+            "lr_scheduler",
         }
         return {k: v for k, v in states.items() if k not in engine_keys}
 
