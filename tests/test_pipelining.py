@@ -146,6 +146,7 @@ def test_which_checkpoints_a_torch_pipeline_resumes(launch2, tmp_path):
     stage of two looped chunks), and so does engine=fsdp2 without a pipeline. A checkpoint without
     a pipeline cannot be split into stages, nor can one whose optimizer states an older lmrepo wrote
     per rank: one line each, before any process group."""
+    import json
     import shutil
 
     from lmrepo import checkpoint
@@ -165,9 +166,13 @@ def test_which_checkpoints_a_torch_pipeline_resumes(launch2, tmp_path):
     with pytest.raises(ConfigError, match="saved with another pipeline layout"):
         inspect(launch2("zero=stage0", "precision=fp32") / "checkpoints", "pipeline=gpipe")
     older = tmp_path / "checkpoints"
-    shutil.copytree(piped / "step_00000003", older / "step_00000003")
-    for path in (older / "step_00000003").glob("layer_*-optim_states.pt"):
+    tag = shutil.copytree(piped / "step_00000003", older / "step_00000003")
+    for path in tag.glob("layer_*-optim_states.pt"):
         path.unlink()
-    (older / "step_00000003" / "torch_pipe_rank_00000_optim_states.pt").write_bytes(b"")
+    per_rank = tag / "torch_pipe_rank_00000_optim_states.pt"
+    torch.save({"stage": 0}, per_rank)
+    files = {name: record for name, record in checkpoint.read_manifest(tag).items() if "optim_states" not in name}
+    files[per_rank.name] = checkpoint.file_record(per_rank)
+    (tag / "manifest.json").write_text(json.dumps({"files": files}))  # as that lmrepo recorded its files
     with pytest.raises(ConfigError, match="optimizer states per rank, as an older lmrepo wrote them"):
         inspect(older, "pipeline=gpipe")

@@ -246,7 +246,8 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
             "hydra/launcher=lmrepo",
             "hydra/sweeper=lmrepo",
             "+x=1,2",
-            "hydra.launcher.timeout=2",
+            # each job's time: x=2's Hydra start must fit in it (~1 s; 3 s on a loaded machine)
+            "hydra.launcher.timeout=10",
             "hydra.launcher.kill_grace_s=1",
             "hydra.sweep.dir=sweep",
         ],
@@ -260,7 +261,7 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     assert status == {
         "status": "failed",
         "overrides": ["+x=1"],
-        "error": "timed out after 2 s (hydra.launcher.timeout): killed (SIGKILL) after SIGTERM",
+        "error": "timed out after 10 s (hydra.launcher.timeout): killed (SIGKILL) after SIGTERM",
     }
     assert (tmp_path / "sweep" / "1" / "job.log").read_text().strip() == "x=2"
     rows = summary_rows(proc.stdout)
