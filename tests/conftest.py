@@ -257,13 +257,13 @@ def logged_steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, ranks: int = 2) -> str:
-    """A TINY run on `ranks` ranks killed (SIGKILL to the launcher's process group, as an OOM killer
-    or a lost node ends a job) once `latest` exists and `logged` steps are in its metrics. Returns
-    the checkpoint `latest` names then."""
+def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int) -> str:
+    """A 2-rank TINY run killed (SIGKILL to the launcher's process group, as an OOM killer or a lost
+    node ends a job) once `latest` exists and `logged` steps are in its metrics. Returns the
+    checkpoint `latest` names then."""
     import signal
 
-    proc = popen_train(overrides, run_dir, ranks=ranks)
+    proc = popen_train(overrides, run_dir, ranks=2)
     wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= logged, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

@@ -85,22 +85,6 @@ def test_fsdp2_resumes_bit_for_bit(launch2):
 
 
 @pytest.mark.distributed
-def test_fsdp2_resume_after_kill_9_is_bit_identical(tmp_path):
-    """Killed mid-run (the launcher's process group, SIGKILL): `latest` names a whole DCP
-    checkpoint, and resuming from it gives the killed run's own losses for the steps it had logged."""
-    run_dir = tmp_path / "run"
-    overrides = ["engine=fsdp2", "zero=stage2", "trainer.max_steps=400", "trainer.save_every=3", "schedule=constant"]
-    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8).split("_")[1])
-    killed = {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
-    assert max(killed) > latest, (killed, latest)
-    until = max(killed)
-    resumed = run_train([*TINY, *overrides, f"trainer.max_steps={until}", "run.resume=auto"], run_dir, ranks=2)
-    assert_ok(resumed)
-    ours = {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m and m["step"] > latest}
-    assert ours == {step: loss for step, loss in killed.items() if step > latest}
-
-
-@pytest.mark.distributed
 def test_fsdp2_checkpoint_of_2_ranks_resumes_on_1(launch2, tmp_path):
     """DCP reshards on load: the 2-rank checkpoint continues on one process (global batch kept)."""
     two_ranks = launch2("engine=fsdp2", "zero=stage3")
@@ -273,7 +257,7 @@ EIGHT_RANKS = {
 # layer, whole tensors by name) loads into any split and into a model without a pipeline; DCP's
 # (every layout without a pipeline) reshards on load.
 SAVE_AT = 5
-SAVED_4 = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_TP_4]
+SAVED_4 = [HSDP_4, TP_4, PP_4, PP_TP_4]  # FSDP2 over all ranks: test_fsdp2_resumes_bit_for_bit
 RESHARDED_4 = [(TP_4, FSDP2_4), (PP_TP_4, TP_4), (PP_4, HSDP_4)]  # (the layout that saved, the one that resumes)
 # 2 x 2 -> 4 x 1 -> 1 rank: the 4 x 1 run that resumed the tensor-parallel checkpoint saves again here
 CHAIN_AT = 7
@@ -445,8 +429,8 @@ def continues(result: dict, reference: dict, after: int) -> None:
 
 @pytest.mark.distributed
 def test_every_layout_resumes_bit_for_bit(four_ranks, eight_ranks):
-    """FSDP2, HSDP, data x tensor, pipeline x data, pipeline x tensor (4 ranks) and both 3-D layouts
-    (8 ranks), each saved at step 5 and resumed on itself by a fresh engine: steps 6-10 give the
+    """HSDP, data x tensor, pipeline x data, pipeline x tensor (4 ranks) and both 3-D layouts (8
+    ranks), each saved at step 5 and resumed on itself by a fresh engine: steps 6-10 give the
     uninterrupted run's losses and gradient norms exactly. A state restored approximately (a
     moment, the rate, the data position, a slice of a DTensor) moves them at once."""
     pairs = [(four_ranks, layout) for layout in SAVED_4] + [(eight_ranks, n) for n in SAVED_8 if n != "flat"]
@@ -512,17 +496,19 @@ def test_a_3d_checkpoint_resumes_exports_evaluates_and_generates_on_one_process(
 
 
 @pytest.mark.distributed
-def test_a_data_x_tensor_run_killed_resumes_bit_for_bit(tmp_path):
-    """engine=fsdp2 tp=auto on 4 ranks (2 data x 2 tensor) killed with SIGKILL mid-run: `latest`
-    names a whole DCP checkpoint of the 2-D mesh (its last save may be half written), and resuming
-    from it gives the killed run's own losses and norms for the steps it had logged."""
+def test_a_tensor_parallel_run_killed_resumes_bit_for_bit(tmp_path):
+    """engine=fsdp2 tp=auto on 2 ranks (a data 1 x tensor 2 mesh) killed with SIGKILL mid-run (the
+    launcher's process group, as an OOM killer or a lost node ends a job): `latest` names a whole
+    DCP checkpoint of the 2-D mesh (its last save may be half written, in the background), and
+    resuming from it gives the killed run's own losses and norms for the steps it had logged.
+    Every other layout's resume is bit for bit too (test_every_layout_resumes_bit_for_bit)."""
     run_dir = tmp_path / "run"
-    overrides = [*TP_4, "trainer.max_steps=400", "trainer.save_every=3"]
-    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8, ranks=4).split("_")[1])
+    overrides = [*composition.overrides("fsdp2", "autotp"), "trainer.max_steps=400", "trainer.save_every=3"]
+    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8).split("_")[1])
     killed = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir) if "loss" in m}
     assert max(killed) > latest, (killed, latest)
     until = max(killed)
-    resumed = run_train([*TINY, *overrides, f"trainer.max_steps={until}", "run.resume=auto"], run_dir, ranks=4)
+    resumed = run_train([*TINY, *overrides, f"trainer.max_steps={until}", "run.resume=auto"], run_dir, ranks=2)
     assert_ok(resumed)
     ours = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir) if "loss" in m and m["step"] > latest}
     assert ours == {step: logged for step, logged in killed.items() if step > latest}
