@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from lmrepo import checkpoint, safe_load
 from lmrepo.config import ModelConfig, from_dict
+from lmrepo.engines.layer_files import by_model_name, weights_file
 from lmrepo.errors import ConfigError
 from lmrepo.models import FAMILIES, mixtral, pipe
 from lmrepo.tokenizer import load_tokenizer
@@ -42,11 +43,7 @@ def moe_state_dict(tag_dir: Path, states: dict) -> dict:
 def pipeline_state_dict(tag_dir: Path, model, family: str) -> dict:
     """A pipeline checkpoint holds one file per layer (DeepSpeed's layout, and lmrepo's torch
     pipelines write the same): map each layer's parameter names back to the transformers names."""
-    state = {}
-    for index, names in pipe.hf_names(model, family).items():
-        layer = safe_load.load(tag_dir / f"layer_{index:02d}-model_states.pt")
-        state.update({names[name]: tensor.float() for name, tensor in layer.items() if name in names})
-    return state
+    return {name: tensor.float() for name, tensor in by_model_name(tag_dir, pipe.hf_names(model, family)).items()}
 
 
 @dataclass
@@ -91,7 +88,7 @@ def consolidate(source: str) -> Consolidated:
         AutoConfig.from_pretrained(model_cfg.pretrained) if model_cfg.pretrained else family.hf_config(model_cfg)
     )
     model = family.MODEL_CLASS(hf_config)
-    if (directory / tag / "layer_00-model_states.pt").is_file():
+    if weights_file(directory / tag, 0).is_file():
         weights = pipeline_state_dict(directory / tag, model, model_cfg.family)
     elif model_cfg.family == "mixtral":
         weights = moe_state_dict(directory / tag, states)

@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from lmrepo import launch
+
 
 def preemption_signal() -> signal.Signals:
     """The signal Slurm sends before a job's time limit under submitit (`--signal=USR2@<delay>`;
@@ -30,7 +32,7 @@ class StopRequest:
         self.signal_name, self.signum = signal.Signals(signum).name, signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            if os.environ.get("RANK", "0") == "0":  # a Ctrl-C during a long start-up is not left unanswered
+            if launch.rank() == 0:  # a Ctrl-C during a long start-up is not left unanswered
                 print(
                     "lmrepo: SIGINT: a checkpoint at the next step, then stop (Ctrl-C again stops at once)",
                     file=sys.stderr,

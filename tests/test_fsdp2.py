@@ -275,13 +275,17 @@ class Probed:
 
     def words(self, layout) -> list[str]:
         """The layout's words as the probe ran them (a saving layout's with probe.save_at)."""
-        words = list(EIGHT_RANKS[layout] if isinstance(layout, str) else layout)
-        return [*words, f"probe.save_at={SAVE_AT}"] if layout in SAVED_4 + SAVED_8 else words
+        saving = [f"probe.save_at={SAVE_AT}"] if layout in SAVED_4 + SAVED_8 else []
+        return [*overrides_of(layout), *saving]
 
     def resuming(self, saved, layout) -> list[str]:
         """`layout`'s words resuming the checkpoint `saved` wrote at SAVE_AT."""
-        words = list(EIGHT_RANKS[layout] if isinstance(layout, str) else layout)
-        return [*words, composition.saved(self.out, self.words(saved), SAVE_AT)]
+        return [*overrides_of(layout), composition.saved(self.out, self.words(saved), SAVE_AT)]
+
+
+def overrides_of(layout) -> list[str]:
+    """A layout's overrides: its words, or its name in EIGHT_RANKS."""
+    return list(EIGHT_RANKS[layout] if isinstance(layout, str) else layout)
 
 
 def run_probe(out: Path, ranks: int, layouts: list, resumes: list[tuple]) -> Probed:

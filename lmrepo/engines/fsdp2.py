@@ -39,7 +39,14 @@ from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, T
 from lmrepo.device import isolate_compile_cache
 from lmrepo.engines.base import TORCH_OPTIMIZERS, to_device
 from lmrepo.engines.deepspeed import param_groups
-from lmrepo.engines.layer_files import has_layer_optimizer_states, load_layer, load_optimizer_states, sliced_like
+from lmrepo.engines.layer_files import CLIENT_KEYS as PIPELINE_CLIENT_KEYS
+from lmrepo.engines.layer_files import (
+    by_model_name,
+    has_layer_optimizer_states,
+    load_optimizer_states,
+    optimizer_file,
+    sliced_like,
+)
 from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, pipe
@@ -209,20 +216,16 @@ class FSDP2Engine:
         """A pipeline's layer files (lmrepo.engines.layer_files) into the whole model: each layer's
         names mapped to the model's, each tensor sliced as this rank holds it."""
         params = dict(self.module.named_parameters())
-        weights, saved_states = {}, []
-        for index, names in pipe.hf_names(self.module, self.family).items():
-            layer_weights, layer_states = load_layer(tag_dir, index, self.device)
-            for name, model_name in names.items():
-                weights[model_name] = sliced_like(layer_weights[name], params[model_name])
-                saved_states.append((params[model_name], layer_states[name]))
+        names = pipe.hf_names(self.module, self.family)
+        weights, saved_states = by_model_name(tag_dir, names), by_model_name(tag_dir, names, optimizer_file)
         if missing := sorted(set(params) - set(weights)):
             raise ConfigError(f"{tag_dir} has no weights for {', '.join(missing[:3])}: resume from another checkpoint")
-        self.module.load_state_dict(weights, strict=False)  # every parameter (checked); the buffers are the model's
-        load_optimizer_states(self.optimizer, saved_states)
+        # every parameter (checked); the buffers are the model's own
+        self.module.load_state_dict({n: sliced_like(weights[n], p) for n, p in params.items()}, strict=False)
+        load_optimizer_states(self.optimizer, [(p, saved_states[n]) for n, p in params.items()])
         self.lr_scheduler.load_state_dict(states["lr_scheduler"])
         self.global_steps = states["global_steps"]
-        pipeline_keys = {"module", "global_steps", "dp_world_size", "mp_world_size", "tp_world_size"}
-        return {k: v for k, v in states.items() if k not in pipeline_keys | {"torch_pipeline_parts", "lr_scheduler"}}
+        return {k: v for k, v in states.items() if k not in PIPELINE_CLIENT_KEYS}
 
 
 def data_mesh(layout: ParallelLayout, mesh: DeviceMesh) -> DeviceMesh:

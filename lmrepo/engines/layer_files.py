@@ -13,6 +13,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmrepo import safe_load
 
+# What the pipeline engine adds to the client state of mp_rank_00_model_states.pt (not the loop's)
+CLIENT_KEYS = frozenset(
+    ("module", "global_steps", "lr_scheduler")
+    + ("dp_world_size", "mp_world_size", "tp_world_size", "torch_pipeline_parts")
+)
+
 
 def weights_file(tag_dir: Path, index: int) -> Path:
     return Path(tag_dir, f"layer_{index:02d}-model_states.pt")
@@ -74,6 +80,16 @@ def load_layer(tag_dir: Path, index: int, device: torch.device) -> tuple[dict, d
     """(weights, optimizer states) of layer `index`, read weights-only onto `device`."""
     weights = safe_load.load(weights_file(tag_dir, index), map_location=device)
     return weights, safe_load.load(optimizer_file(tag_dir, index), map_location=device)
+
+
+def by_model_name(tag_dir: Path, names: dict[int, dict[str, str]], file=weights_file) -> dict:
+    """What the layer files (`file`: weights_file or optimizer_file) hold, under the model's own
+    names (`names`: lmrepo.models.pipe.hf_names), on the CPU."""
+    found = {}
+    for index, mapping in names.items():
+        saved = safe_load.load(file(tag_dir, index))
+        found.update({mapping[name]: value for name, value in saved.items() if name in mapping})
+    return found
 
 
 def has_layer_optimizer_states(tag_dir: Path) -> bool:

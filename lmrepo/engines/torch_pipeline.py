@@ -77,6 +77,7 @@ from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
 from lmrepo.engines.fsdp2 import by_mesh, data_mesh, global_grad_norm, parallelize_block, transformer_blocks
 from lmrepo.engines.layer_files import (
+    CLIENT_KEYS,
     load_layer,
     load_optimizer_states,
     local,
@@ -549,16 +550,7 @@ class TorchPipelineEngine:
         load_optimizer_states(self.optimizer, saved_states)
         self.lr_scheduler.load_state_dict(states["lr_scheduler"])
         self.global_steps = states["global_steps"]
-        engine_keys = {
-            "module",
-            "global_steps",
-            "dp_world_size",
-            "mp_world_size",
-            "tp_world_size",
-            "torch_pipeline_parts",
-            "lr_scheduler",
-        }
-        return {k: v for k, v in states.items() if k not in engine_keys}
+        return {k: v for k, v in states.items() if k not in CLIENT_KEYS}
 
 
 def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> TorchPipelineEngine:
