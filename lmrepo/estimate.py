@@ -10,6 +10,7 @@ Pure functions: no process group, no GPU. Sources:
 - FLOPs and time: lmrepo.metrics (the 72/96 forms of Narayanan et al. 2021) and its 8*T*P/(n*X).
 """
 
+import contextlib
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -303,6 +304,186 @@ def activation_bytes(
     kept = (n_layer - checkpointed_layers) * full + checkpointed_layers * 2 * seq * micro * hidden
     recompute = full if checkpointed_layers else 0.0
     return scale * (kept + recompute) + 4 * seq * micro * hidden * (1 + vocab / hidden)
+
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ActivationCount:
+    """Bytes autograd keeps for the backward of one micro batch on one rank, as counted from the
+    forward of the model train.py builds (`counted_activations`)."""
+
+    block: float  # one transformer block
+    first: float  # what comes before the blocks (the embeddings): the first pipeline stage's
+    last: float  # what comes after them (the final norm, the output layer, the loss): the last stage's
+
+
+def counted_activations(
+    model_cfg,
+    micro: int,
+    seq: int,
+    dtype: str,
+    tp: int = 1,
+    sp: int = 1,
+    loss_tiles: int | None = None,
+    pipelined: bool = False,
+) -> ActivationCount | None:
+    """What one rank's forward of one micro batch saves for backward, counted on fake tensors (no
+    memory, no compute; the kernels a CPU run picks, fused attention among them) by
+    lmrepo.saved_activations, on a model of 2 blocks: transformers' model as train.py builds it,
+    or with `pipelined` the pipeline's layers (lmrepo.models.pipe) and its loss, layer by layer.
+    Tensor parallelism over `tp` ranks: the block of one rank's slice (heads, key/value heads and
+    the MLP's width / tp; the norms and the residual stream whole), as torch's and DeepSpeed's
+    plans compute it. Ulysses sequence parallelism over `sp` ranks: seq / sp tokens of everything
+    (inside attention all seq tokens of heads / sp: the same bytes). None for a mixture of
+    experts (DeepSpeed-MoE's layers need process groups to be built)."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lmrepo.engines.fsdp2 import transformer_blocks
+    from lmrepo.engines.torch_pipeline import build_layer
+    from lmrepo.models import causal_loss, pipe
+    from lmrepo.saved_activations import SavedActivations
+
+    if model_cfg.family == "mixtral":
+        return None
+    family = FAMILIES[model_cfg.family]
+    config = copy.deepcopy(
+        family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
+        if model_cfg.pretrained
+        else family.hf_config(model_cfg)
+    )
+    config.num_hidden_layers = 2
+    if tp > 1:
+        config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        config.num_attention_heads //= tp
+        config.num_key_value_heads //= tp
+        config.intermediate_size //= tp
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(COMPUTE_DTYPES[dtype])  # the parameters, hence activations, of the run's compute dtype
+    try:
+        with FakeTensorMode(), _as_real_tensors():
+            net = family.MODEL_CLASS._from_config(config).train()
+            net.config.use_cache = False
+            net.loss_type = family.LOSS_TYPE
+            ids = torch.zeros(micro, seq // sp, dtype=torch.long)
+            after = []  # bytes held after block 1, after block 2 and at the end (the loss included)
+            with SavedActivations() as saved:
+                if pipelined:
+                    hidden, held = ids, []
+                    for spec in pipe.pipeline_layers(net, model_cfg.family):
+                        hidden = build_layer(spec)(hidden)
+                        held.append(saved.live)
+                    loss = pipe.LMLoss(model_cfg.family, config.vocab_size)(hidden, ids)  # held: its graph stays
+                    after = [held[1], held[2], saved.live]  # the layers: the embeddings, the blocks, ...
+                else:
+                    if loss_tiles is not None:
+                        causal_loss.install(net, loss_tiles)
+                    hooks = [
+                        block.register_forward_hook(lambda *_: after.append(saved.live))
+                        for block in transformer_blocks(net)
+                    ]
+                    loss = net(input_ids=ids, labels=ids).loss  # held: its graph stays
+                    after.append(saved.live)
+                    for hook in hooks:
+                        hook.remove()
+        del loss
+    finally:
+        torch.set_default_dtype(default)
+    # Block 1 also saves what every block shares (transformers computes the rotary angles once): the first's
+    block = after[1] - after[0]
+    return ActivationCount(block=block, first=after[0] - block, last=after[2] - after[1])
+
+
+@contextlib.contextmanager
+def _as_real_tensors():
+    """transformers' masks take a fake tensor for a graph being traced and build the causal mask
+    that a real run leaves to SDPA's is_causal (no mask; grouped-query attention inside the
+    kernel). For the count a fake tensor stands for a real one, and the ids of its one sequence
+    hold no packed documents (the question transformers would read the data for)."""
+    from transformers import masking_utils
+
+    saved = masking_utils.is_tracing, masking_utils.find_packed_sequence_indices
+    masking_utils.is_tracing = lambda tensor=None: saved[0](None)
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing, masking_utils.find_packed_sequence_indices = saved
+
+
+def pipeline_in_flight(schedule: str, stages: int, microbatches: int, virtual: int, stage: int) -> float:
+    """How many micro batches' activations pipeline rank `stage` holds at its peak, in units of
+    its blocks' for one micro batch. GPipe runs every forward first: all of them. 1F1B: stage i
+    holds min(stages - i, micro batches) (Narayanan et al. 2021). Interleaved 1F1B with v chunks
+    per rank: the first rank holds stages + (stages - 1) / v (Korthikanti et al. 2022, Sec. 4.2.3's
+    factor 1 + (p - 1)/(p v) of 1F1B's), a bound for the other ranks. The zero-bubble schedules keep
+    their base schedule's peak (ZB-V 1F1B's, Qi et al. 2024), DualPipeV one micro batch more
+    (DeepSeek-V3's table). None: 1 (one micro batch at a time)."""
+    if schedule == "none":
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    if schedule in ("1f1b", "1f1b_torch"):
+        return min(stages - stage, microbatches)
+    if schedule in ("interleaved", "interleaved_zb"):
+        return min(stages + (stages - 1) / virtual, microbatches)
+    if schedule == "zbv":
+        return min(stages, microbatches)
+    return min(stages + 1, microbatches)  # dualpipev
+
+
+def layout_activations(config, layout, micro: int, microbatches: int) -> tuple[ActivationCount, list[float]] | None:
+    """The count for `layout` (its tp, sp and pipeline) and what each pipeline rank holds from it,
+    for micro batches of `micro` sequences, `microbatches` of them a step per data-parallel rank;
+    None for a mixture of experts."""
+    pipelined = config.pipeline.schedule != "none"
+    count = counted_activations(
+        config.model, micro, config.data.block_size, config.precision.dtype, layout.tp, layout.sp,
+        config.trainer.loss_tiles, pipelined,
+    )  # fmt: skip
+    if count is None:
+        return None
+    return count, rank_activation_bytes(count, meta_model(config.model), config, layout, micro, microbatches)
+
+
+def rank_activation_bytes(
+    count: ActivationCount, net: torch.nn.Module, config, layout, micro: int, microbatches: int
+) -> list[float]:
+    """The activations each pipeline rank holds at its peak under `layout`, one entry per pipeline
+    rank (one without a pipeline), from a count made for the layout's tp and sp (and pipelined
+    with a pipeline): what the rank's layers keep for one micro batch (its blocks', the first
+    stage's embeddings', the last stage's head and loss) times the micro batches in flight there
+    (pipeline_in_flight). A checkpointed block keeps its input only, and one block's activations
+    live again while it is recomputed. The torch pipeline's split of the layers (DeepSpeed's too)
+    decides each rank's blocks. `net`: meta_model's."""
+    model, pipeline, ckpt = config.model, config.pipeline, config.checkpointing
+    n_layer = model.shape()["n_layer"]
+    if pipeline.schedule == "none":
+        rank_of = [0] * (n_layer + 2)
+    else:
+        from lmrepo.engines.torch_pipeline import partition, placement
+        from lmrepo.models import pipe
+
+        layers = pipe.pipeline_layers(net, model.family)
+        bounds = partition(layers, layout.pp * pipeline.virtual_stages, pipeline.partition_method)
+        ranks = placement(pipeline.schedule, layout.pp, pipeline.virtual_stages)
+        rank_of = [ranks[chunk] for chunk in range(len(ranks)) for _ in range(bounds[chunk], bounds[chunk + 1])]
+    owners = rank_of[1 : 1 + n_layer]  # every family's layers: the embeddings, the blocks, then the norm and head
+    every = ckpt.every_n_layers if ckpt.enabled else 0
+    element = torch.finfo(COMPUTE_DTYPES[config.precision.dtype]).bits // 8
+    block_input = micro * (config.data.block_size // layout.sp) * model.n_embd * element
+    held = []
+    for rank in range(layout.pp):
+        blocks = [b for b in range(n_layer) if owners[b] == rank]
+        checkpointed = sum(1 for b in blocks if every and b % every == 0)
+        kept = (len(blocks) - checkpointed) * count.block + checkpointed * block_input
+        kept += count.first * (rank_of[0] == rank) + count.last * (rank_of[-1] == rank)
+        flight = pipeline_in_flight(pipeline.schedule, layout.pp, microbatches, pipeline.virtual_stages, rank)
+        held.append(flight * kept + (count.block if checkpointed else 0.0))
+    return held
 
 
 def checkpointed_layers(n_layer: int, checkpointing) -> int:

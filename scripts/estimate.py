@@ -263,21 +263,48 @@ def print_gradient_layout(job: Job, params: int, group_sizes: list[list[int]]) -
     )
 
 
-def print_activations(job: Job, checkpointed: int) -> None:
+def print_activations(job: Job, net, checkpointed: int) -> None:
+    cfg, layout = job.cfg, job.layout
     l, a, h, V = (job.shape[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size"))
-    s, b = job.cfg.data.block_size, job.micro
-    print(f"\nActivations per rank, GiB (Korthikanti et al. 2022; micro batch {b} x {s} tokens)")
+    s, b = cfg.data.block_size, job.micro
+    print(f"\nActivations per rank, GiB (Korthikanti et al. 2022; micro batch {b} x {s} tokens, one rank of the model)")
     print(f"    {'one layer s*b*h*(34 + 5*a*s/h)':<45}{estimate.activation_bytes_per_layer(s, b, h, a) / GIB:>9.2f}")
     rows = [("no checkpointing", 0), ("full checkpointing (2*s*b*h per layer)", l)]
     if checkpointed not in (0, l):
-        every = job.cfg.checkpointing.every_n_layers
+        every = cfg.checkpointing.every_n_layers
         rows.append((f"every {every} layers ({checkpointed} checkpointed)", checkpointed))
     for label, n in rows:
-        total = estimate.activation_bytes(l, h, a, V, s, b, n, job.cfg.precision.dtype)
+        total = estimate.activation_bytes(l, h, a, V, s, b, n, cfg.precision.dtype)
         print(f"  {'* ' if n == checkpointed else '  '}{label:<45}{total / GIB:>9.2f}")
     print(
-        "  totals include the output layer, 4sbh(1 + V/h) with fp32 logits; an upper bound under fused\n"
-        "  attention (no s x s scores) and dropout 0 (no masks)"
+        "  totals include the output layer, 4sbh(1 + V/h) with fp32 logits; an upper bound for GPT's layer under\n"
+        "  fused attention (no s x s scores) and dropout 0 (no masks), not for transformers' unfused norms and GELU"
+    )
+    microbatches = job.global_batch // (b * job.dp)
+    counted = estimate.layout_activations(cfg, layout, b, microbatches)
+    if counted is None:
+        print("  (a mixture of experts: the count below is not made for its DeepSpeed-MoE layers)")
+        return
+    count, held = counted
+    pipelined = cfg.pipeline.schedule != "none"
+    print(
+        f"\nActivations per rank on this job's layout ({layout.describe()}), counted from the forward of "
+        f"{'its pipeline layers' if pipelined else 'its model'}, GiB"
+    )
+    slice_ = f", 1/{layout.tp} of each block" if layout.tp > 1 else ""
+    print(
+        f"  one micro batch of {b} x {s // layout.sp} tokens{slice_}: a block {count.block / GIB:.3f}, "
+        f"the embeddings {count.first / GIB:.3f}, the head and loss {count.last / GIB:.3f}"
+    )
+    for rank, total in enumerate(held):
+        flight = estimate.pipeline_in_flight(
+            cfg.pipeline.schedule, layout.pp, microbatches, cfg.pipeline.virtual_stages, rank
+        )
+        where = f"pipeline rank {rank}" if pipelined else "each rank"
+        print(f"  {where:<18}{total / GIB:>9.2f}   ({flight:g} of {microbatches} micro batches in flight)")
+    print(
+        "  counted on fake tensors (lmrepo.saved_activations: what autograd keeps for backward, the kernels a CPU run\n"
+        "  picks); a checkpointed block keeps its input, and one block is live again while it is recomputed"
     )
 
 
@@ -360,7 +387,7 @@ def main(argv: list[str]) -> None:
     else:
         print_fsdp2_states(job, model)
     print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))
-    print_activations(job, checkpointed)
+    print_activations(job, model, checkpointed)
     print_compute(job, params, checkpointed, peak)
 
 

@@ -14,6 +14,7 @@ step on: the losses and norms are then those of the steps after it.
 
 Usage: composition_probe.py OUT_JSON CASES_JSON (a list of override lists)."""
 
+import contextlib
 import gc
 import json
 import sys
@@ -36,6 +37,7 @@ from lmrepo.launch import init_distributed, world_size
 from lmrepo.loop import TrainState
 from lmrepo.plan import plan
 from lmrepo.run import engine_data
+from lmrepo.saved_activations import SavedActivations
 from lmrepo.tokenizer import load_tokenizer
 
 DEEPSPEED_GROUPS = {  # deepspeed.utils.groups' module state, as import leaves it
@@ -109,9 +111,14 @@ def parameters_held(engine) -> list[float] | None:
     else:
         return None
     mine = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in modules.parameters())
-    held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, mine)
-    return held
+    return gathered(mine)
+
+
+def gathered(mine) -> list:
+    """Every rank's value, in rank order."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def probe_options(words: list[str]) -> tuple[list[str], int, Path | None]:
@@ -138,9 +145,17 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         state = checkpoint.load(engine, found)
     data = engine_data(config, job.ds_config, engine, sources, tokenizer)
     checkpoint_dir = case_dir(out, words) / "checkpoints"
-    losses, norms = [], []
+    losses, norms, step_activations = [], [], []
+    # What autograd keeps for backward during each step, above what it held before it, counted on
+    # each rank of engine=fsdp2's layouts (not under compile: its graphs save their own way)
+    saved = SavedActivations() if config.engine.name == "fsdp2" and not config.trainer.compile else None
     while state.step < config.trainer.max_steps:
-        loss = engine.train_step(data.train_step(state.consumed)).float().reshape(1)
+        before = saved.live if saved else 0
+        with saved or contextlib.nullcontext():
+            if saved:
+                saved.step_peak()
+            loss = engine.train_step(data.train_step(state.consumed)).float().reshape(1)
+        step_activations.append(saved.peak - before if saved else None)
         state.step, state.consumed = state.step + 1, state.consumed + data.layout.global_batch
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
@@ -150,8 +165,18 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
             checkpoint.finish(engine, checkpoint_dir, tag)
             checkpoint.promote(checkpoint_dir, tag, keep_last=0)
     held = parameters_held(engine)
+    # What the last step kept at its most (the first may run more: a torch pipeline's shapes are
+    # inferred by a forward of its own), and what stays held between steps (nothing, where no graph
+    # outlives its step)
+    activations = gathered({"step": step_activations[-1], "between": saved.live}) if saved else None
     del engine, data
-    return {"losses": losses, "grad_norms": norms, "compiled_by": compiled_by(), "parameters_held": held}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "compiled_by": compiled_by(),
+        "parameters_held": held,
+        "activations_peak": activations,
+    }
 
 
 def main(out_file: Path, cases_file: Path) -> None:
@@ -162,6 +187,7 @@ def main(out_file: Path, cases_file: Path) -> None:
     tokenizer = load_tokenizer(first.model.tokenizer, None)
     sources = prepare_sources(plan(first, world_size()).config.data, tokenizer)
     attention = attention_functions()
+    gc.freeze()  # what the imports and the data made stays out of the collection after each case
     results = {}
     for words in cases:
         name, started = " ".join(words), time.perf_counter()

@@ -12,6 +12,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from conftest import PYTHON, REPO, compose_config
 from lmrepo import estimate
+from lmrepo.compose import load_config
 from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
@@ -259,6 +260,90 @@ def test_activation_memory_gpt2():
     assert half == pytest.approx(6 * per_layer + 6 * 2 * 3_145_728 + per_layer + output)
     ckpt = compose_config(["model=gpt2", "checkpointing=every_n", "checkpointing.every_n_layers=5"]).checkpointing
     assert estimate.checkpointed_layers(12, ckpt) == 3
+
+
+SMALL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64", "data.block_size=32"]
+
+
+@pytest.mark.parametrize(
+    "family", [["model=llama-tiny", "model.n_kv_head=2", "model.n_inner=176"], ["model=gpt2-tiny"], ["model=bert-tiny"]]
+)
+def test_activations_counted_on_fake_tensors_are_a_real_forwards(family):
+    """What a real CPU forward of the model train.py builds (and of its pipeline layers) saves for
+    backward, counted by lmrepo.saved_activations, equals estimate.counted_activations' count of
+    the same forward on fake tensors, to the byte: block by block, before and after the blocks."""
+    import torch
+
+    from lmrepo.engines.fsdp2 import transformer_blocks
+    from lmrepo.engines.torch_pipeline import build_layer
+    from lmrepo.models import build_model, pipe
+    from lmrepo.saved_activations import SavedActivations
+
+    config = load_config([*family, *SMALL, "precision=fp32"])
+    torch.manual_seed(0)
+    net = build_model(config.model, config.trainer.loss_tiles)
+    ids = torch.randint(0, net.config.vocab_size, (2, 32))
+    after = []
+    hooks = [b.register_forward_hook(lambda *_: after.append(saved.live)) for b in transformer_blocks(net)]
+    with SavedActivations() as saved:
+        loss = net(input_ids=ids, labels=ids).loss
+        after.append(saved.live)
+    for hook in hooks:
+        hook.remove()
+    loss.backward()
+    assert saved.live == 0  # released with the graph
+    count = estimate.counted_activations(config.model, 2, 32, "fp32", loss_tiles=config.trainer.loss_tiles)
+    block = after[1] - after[0]
+    assert (count.block, count.first, count.last) == (block, after[0] - block, after[2] - after[1])
+
+    held = []
+    with SavedActivations() as saved:
+        hidden = ids
+        for spec in pipe.pipeline_layers(net, config.model.family):
+            hidden = build_layer(spec)(hidden)
+            held.append(saved.live)
+        loss = pipe.LMLoss(config.model.family, net.config.vocab_size)(hidden, ids)
+        held.append(saved.live)
+    pipelined = estimate.counted_activations(config.model, 2, 32, "fp32", pipelined=True)
+    assert (pipelined.block, pipelined.first, pipelined.last) == (held[2] - held[1], held[0], held[-1] - held[2])
+
+
+def test_micro_batches_in_flight_by_schedule():
+    """Narayanan et al. 2021 (1F1B: stage i of p holds p - i), Korthikanti et al. 2022 (interleaved:
+    the first rank p + (p - 1)/v), GPipe all of them; never more than the step's micro batches."""
+    flight = estimate.pipeline_in_flight
+    assert [flight("1f1b_torch", 4, 8, 1, stage) for stage in range(4)] == [4, 3, 2, 1]
+    assert flight("1f1b", 4, 2, 1, 0) == 2 and flight("gpipe", 4, 8, 1, 3) == 8
+    assert flight("interleaved", 4, 16, 2, 0) == 4 + 3 / 2 and flight("interleaved", 4, 3, 2, 0) == 3
+    assert flight("zbv", 4, 8, 2, 0) == 4 and flight("dualpipev", 4, 8, 2, 0) == 5 and flight("none", 1, 4, 1, 0) == 1
+
+
+def test_activations_per_rank_follow_the_split_and_the_schedule_by_hand():
+    """4 blocks on 2 pipeline ranks, 4 micro batches, a made-up count (a block 10 bytes, the
+    embeddings 1, the head and loss 100): GPipe keeps every micro batch on both ranks, 1F1B 2 on
+    the first and 1 on the last; without a pipeline one micro batch of everything. Full
+    checkpointing keeps each block's input (micro x tokens x width x 4 bytes in fp32) and one
+    block again while it is recomputed."""
+    count = estimate.ActivationCount(block=10, first=1, last=100)
+    base = ["model=llama-tiny", "model.n_layer=4", "model.n_embd=64", "model.n_head=4", "data.block_size=32"]
+    base += ["trainer.micro_batch_size=4"]
+
+    def per_rank(*overrides):
+        config = load_config([*base, "precision=fp32", *overrides])
+        layout = estimate_layout(config)
+        return estimate.rank_activation_bytes(count, estimate.meta_model(config.model), config, layout, 4, 4)
+
+    assert per_rank("pipeline=gpipe", "pipeline.stages=2") == [4 * (2 * 10 + 1), 4 * (2 * 10 + 100)]
+    assert per_rank("pipeline=1f1b_torch", "pipeline.stages=2") == [2 * (2 * 10 + 1), 1 * (2 * 10 + 100)]
+    assert per_rank() == [4 * 10 + 1 + 100]
+    block_input = 4 * 32 * 64 * 4  # 4 sequences x 32 tokens x 64 wide, fp32
+    assert per_rank("checkpointing=full") == [4 * block_input + 1 + 100 + 10]
+
+
+def estimate_layout(config):
+    from lmrepo.layout import ParallelLayout
+
+    return ParallelLayout.of(config, config.pipeline.stages if config.pipeline.schedule != "none" else 1)
 
 
 def run_estimate(*args: str) -> subprocess.CompletedProcess:
