@@ -1,8 +1,8 @@
 """The same model on 1-D, 2-D and 3-D layouts, side by side in one run: step time and memory per
 rank, each beside scripts/estimate.py's figure for that layout.
 
-    python benchmarks/bench_layouts.py            # a 4-block Llama, 4 and 8 ranks, 6 steps (~6 min on 2 cores)
-    python benchmarks/bench_layouts.py --quick    # smoke run: 2 blocks, 3 steps
+    python benchmarks/bench_layouts.py            # a 4-block Llama, 4 and 8 ranks, 6 steps (~5 min on 2 cores)
+    python benchmarks/bench_layouts.py --quick    # smoke run: 2 blocks of 64 tokens, 3 steps (~3.5 min)
     python benchmarks/bench_layouts.py --save     # also write benchmarks/results/bench_layouts_<machine>_<month>.md
 
 engine=fsdp2, fp32, one global batch for every layout of a rank count: FSDP2 over all ranks, HSDP,

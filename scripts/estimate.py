@@ -283,7 +283,7 @@ def print_activations(job: Job, net, checkpointed: int) -> None:
     microbatches = job.global_batch // (b * job.dp)
     counted = estimate.layout_activations(cfg, layout, b, microbatches)
     if counted is None:
-        print("  (a mixture of experts: the count below is not made for its DeepSpeed-MoE layers)")
+        print("  (a mixture of experts: no count per layout; DeepSpeed-MoE's layers need process groups to be built)")
         return
     count, held = counted
     pipelined = cfg.pipeline.schedule != "none"
