@@ -328,6 +328,7 @@ def counted_activations(
     sp: int = 1,
     loss_tiles: int | None = None,
     pipelined: bool = False,
+    autocast: bool = False,
 ) -> ActivationCount | None:
     """What one rank's forward of one micro batch saves for backward, counted on fake tensors (no
     memory, no compute; the kernels a CPU run picks, fused attention among them) by
@@ -337,7 +338,9 @@ def counted_activations(
     the MLP's width / tp; the norms and the residual stream whole), as torch's and DeepSpeed's
     plans compute it. Ulysses sequence parallelism over `sp` ranks: seq / sp tokens of everything
     (inside attention all seq tokens of heads / sp: the same bytes). None for a mixture of
-    experts (DeepSpeed-MoE's layers need process groups to be built)."""
+    experts (DeepSpeed-MoE's layers need process groups to be built). A 16-bit `dtype` is the
+    parameters' (DeepSpeed, FSDP2's mixed precision), or with `autocast` torch.autocast's over fp32
+    ones (the torch pipeline; the CPU's autocast lists, which differ a little from CUDA's)."""
     import copy
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -362,9 +365,11 @@ def counted_activations(
         config.num_key_value_heads //= tp
         config.intermediate_size //= tp
     default = torch.get_default_dtype()
-    torch.set_default_dtype(COMPUTE_DTYPES[dtype])  # the parameters, hence activations, of the run's compute dtype
+    # the parameters, hence activations, of the run's compute dtype, or fp32 ones under autocast
+    torch.set_default_dtype(torch.float32 if autocast else COMPUTE_DTYPES[dtype])
+    casting = torch.autocast("cpu", dtype=COMPUTE_DTYPES[dtype], enabled=autocast and dtype != "fp32")
     try:
-        with FakeTensorMode(), _as_real_tensors():
+        with FakeTensorMode(), _as_real_tensors(), casting:
             net = family.MODEL_CLASS._from_config(config).train()
             net.config.use_cache = False
             net.loss_type = family.LOSS_TYPE
@@ -440,9 +445,10 @@ def layout_activations(config, layout, micro: int, microbatches: int) -> tuple[A
     for micro batches of `micro` sequences, `microbatches` of them a step per data-parallel rank;
     None for a mixture of experts."""
     pipelined = config.pipeline.schedule != "none"
+    autocast = pipelined and config.pipeline.engine == "torch"  # the torch pipeline's bf16 is torch.autocast
     count = counted_activations(
         config.model, micro, config.data.block_size, config.precision.dtype, layout.tp, layout.sp,
-        config.trainer.loss_tiles, pipelined,
+        config.trainer.loss_tiles, pipelined, autocast,
     )  # fmt: skip
     if count is None:
         return None

@@ -248,6 +248,12 @@ EIGHT_RANKS = {
     "replicas": [*composition.overrides("fsdp2", "torch_pipeline"), *EIGHT, "engine.replicate=2"],
     "tensor": [*composition.overrides("fsdp2", "torch_pipeline", "autotp"), *EIGHT],
 }
+# HSDP and the 3-D layout with activation checkpointing and with bf16, 4 steps each
+SHORT = "trainer.max_steps=4"
+HSDP_CHECKPOINTED_4 = (*HSDP_4, "checkpointing=full", SHORT)
+HSDP_BF16_4 = (*HSDP_4, "precision=bf16", SHORT)
+EIGHT_RANKS["tensor, checkpointed"] = [*EIGHT_RANKS["tensor"], "checkpointing=full", SHORT]
+EIGHT_RANKS["tensor, bf16"] = [*EIGHT_RANKS["tensor"], "precision=bf16", SHORT]
 
 
 # Checkpoints of every layout, in the same launches: the saved layouts checkpoint at SAVE_AT and
@@ -309,7 +315,18 @@ def eight_ranks(tmp_path_factory) -> Probed:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> Probed:
-    layouts = [FSDP2_4, HSDP_4, TP_4, PP_4, PP_1F1B_4, PP_TP_4, FSDP2_TIED_4, PP_SHARED_4]
+    layouts = [
+        FSDP2_4,
+        HSDP_4,
+        TP_4,
+        PP_4,
+        PP_1F1B_4,
+        PP_TP_4,
+        FSDP2_TIED_4,
+        PP_SHARED_4,
+        HSDP_CHECKPOINTED_4,
+        HSDP_BF16_4,
+    ]
     resumes = [(layout, layout) for layout in SAVED_4] + RESHARDED_4
     return run_probe(tmp_path_factory.mktemp("four_ranks"), 4, layouts, resumes)
 
@@ -391,6 +408,27 @@ def test_three_dimensions_on_8_ranks_equal_fsdp2_over_8(eight_ranks, third):
 
 
 @pytest.mark.distributed
+def test_hsdp_and_the_3d_layout_checkpointed_and_in_bf16(four_ranks, eight_ranks):
+    """HSDP (4 ranks) and pipeline x data x tensor (8 ranks), 4 steps: checkpointing=full trains
+    as the same layout without it (fp32: the same sums, recomputed), and precision=bf16 as it in
+    fp32 within bf16's rounding (test_composition.py's BF16 tolerances: losses 2e-2, the first
+    gradient norm 3e-2; a norm over a part of the shards or stages is off by far more)."""
+    from test_composition import BF16, close
+
+    def first_steps(run: dict) -> dict:
+        return {**run, "losses": run["losses"][:4], "grad_norms": run["grad_norms"][:4]}
+
+    hsdp, tensor = first_steps(four_ranks.runs[HSDP_4]), first_steps(eight_ranks.runs["tensor"])
+    assert_trains_as(four_ranks.runs[HSDP_CHECKPOINTED_4], hsdp)
+    assert_trains_as(eight_ranks.runs["tensor, checkpointed"], tensor)
+    for ours, theirs in ((four_ranks.runs[HSDP_BF16_4], hsdp), (eight_ranks.runs["tensor, bf16"], tensor)):
+        assert "losses" in ours, ours
+        for loss, reference in zip(ours["losses"], theirs["losses"], strict=True):
+            assert close(loss, reference, BF16["loss"]), (ours, theirs)
+        assert close(ours["grad_norms"][0], theirs["grad_norms"][0], BF16["first_norm"]), (ours, theirs)
+
+
+@pytest.mark.distributed
 def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, eight_ranks):
     """lmrepo.estimate.fsdp2_rank_parameters (scripts/estimate.py's FSDP2 table) against the
     parameter elements each rank of every layout held: the ranks that shard one pipeline stage's
@@ -426,7 +464,9 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
     scalar of the loss) under tensor parallelism; held to 1e-4. A block not split by tp is 1.6x its
     slice, a schedule's micro batches in flight off by one 1.25x or more, the head on the wrong
     stage 40x. Checkpointed layouts are left out: a checkpoint keeps its input outside autograd's
-    saved tensors, where the count does not see it."""
+    saved tensors, where the count does not see it. So is a pipeline in bf16 (torch.autocast over
+    fp32 weights): the count under the CPU's autocast was 1.35x what the 3-D layout's first stage
+    kept (FSDP2's bf16, parameters cast, is compared: HSDP in bf16, equal to the byte)."""
     from lmrepo import estimate
     from lmrepo.layout import ParallelLayout
 
@@ -435,10 +475,10 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
     compared = 0
     for words, ranks, result in runs:
         config = load_config(words)
-        if config.checkpointing.enabled:
-            continue
-        layout = ParallelLayout.of(config, ranks)
         micro, pipelined = config.trainer.micro_batch_size, config.pipeline.schedule != "none"
+        if config.checkpointing.enabled or (pipelined and config.precision.dtype != "fp32"):
+            continue  # the pipeline's bf16 is torch.autocast: see the docstring
+        layout = ParallelLayout.of(config, ranks)
         _, expected = estimate.layout_activations(
             config, layout, micro, config.trainer.global_batch_size // (micro * layout.dp)
         )
@@ -450,7 +490,7 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
             if not pipelined:
                 assert measured["between"] == 0, (words, rank, measured)
         compared += 1
-    assert compared >= 10
+    assert compared >= 11
 
 
 def continues(result: dict, reference: dict, after: int) -> None:
