@@ -130,16 +130,14 @@ def run_layout(words: list[str], steps: int, tokenizer, sources) -> dict:
         batches = data.train_step(consumed)
         dist.barrier()
         start = time.perf_counter()
-        before = saved.live
-        with saved:
-            saved.step_peak()
+        with saved.step():
             engine.train_step(batches)
         dist.barrier()
         seconds.append(time.perf_counter() - start)
         consumed += data.layout.global_batch
     row = {
         "seconds": seconds[1:],
-        "activations": saved.peak - before,
+        "activations": saved.last_step,
         "model_states": model_state_bytes(engine),
         "peak_resident": peak_resident_bytes(),
     }
@@ -176,8 +174,9 @@ def ranks_main(cases_file: Path, out_file: Path, steps: int) -> None:
 # ---- the estimate of each layout --------------------------------------------------------------
 
 
-def estimated(words: list[str], ranks: int) -> tuple[list[float], list[float]]:
-    """(activations, model-state bytes) per pipeline rank, as scripts/estimate.py plans the layout."""
+def estimated(words: list[str], ranks: int) -> tuple:
+    """(the layout, activations and model-state bytes per pipeline rank), as scripts/estimate.py
+    plans the layout."""
     from lmrepo import estimate
     from lmrepo.compose import load_config
     from lmrepo.layout import ParallelLayout
@@ -188,7 +187,7 @@ def estimated(words: list[str], ranks: int) -> tuple[list[float], list[float]]:
     _, activations = estimate.layout_activations(config, layout, micro, GLOBAL_BATCH // (micro * layout.dp))
     net = estimate.meta_model(config.model)
     states = [16 * held.per_rank(layout.dp_shard) for held in estimate.fsdp2_rank_parameters(net, config, layout)]
-    return activations, states
+    return layout, activations, states
 
 
 def main() -> None:
@@ -231,11 +230,7 @@ def main() -> None:
                 raise SystemExit(code)
             rows = json.loads(out_file.read_text())
         for name, words in cases.items():
-            from lmrepo.compose import load_config
-            from lmrepo.layout import ParallelLayout
-
-            layout = ParallelLayout.of(load_config(words), ranks)
-            activations, states = estimated(words, ranks)
+            layout, activations, states = estimated(words, ranks)
             step = max(statistics.median(row["seconds"]) for row in rows[name])
             estimate = {"activations": activations, "model_states": states}
             figures[f"{ranks}: {name}"] = {"rows": rows[name], "estimate": estimate}

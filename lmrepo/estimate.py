@@ -17,19 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
+from lmrepo.device import TORCH_DTYPES
 from lmrepo.models import FAMILIES
+
+
+def hf_config(model_cfg):
+    """The transformers config of the model train.py builds (a fresh object each call)."""
+    family = FAMILIES[model_cfg.family]
+    if model_cfg.pretrained:
+        return family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
+    return family.hf_config(model_cfg)
 
 
 def meta_model(model_cfg) -> torch.nn.Module:
     """The model train.py builds, on the meta device: every shape, no memory, no init time."""
-    family = FAMILIES[model_cfg.family]
-    config = (
-        family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
-        if model_cfg.pretrained
-        else family.hf_config(model_cfg)
-    )
     with torch.device("meta"):
-        return family.MODEL_CLASS._from_config(config)
+        return FAMILIES[model_cfg.family].MODEL_CLASS._from_config(hf_config(model_cfg))
 
 
 def active_block_params(model_cfg) -> float | None:
@@ -306,9 +309,6 @@ def activation_bytes(
     return scale * (kept + recompute) + 4 * seq * micro * hidden * (1 + vocab / hidden)
 
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 @dataclass(frozen=True)
 class ActivationCount:
     """Bytes autograd keeps for the backward of one micro batch on one rank, as counted from the
@@ -341,8 +341,6 @@ def counted_activations(
     experts (DeepSpeed-MoE's layers need process groups to be built). A 16-bit `dtype` is the
     parameters' (DeepSpeed, FSDP2's mixed precision), or with `autocast` torch.autocast's over fp32
     ones (the torch pipeline; the CPU's autocast lists, which differ a little from CUDA's)."""
-    import copy
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lmrepo.engines.fsdp2 import transformer_blocks
@@ -352,12 +350,7 @@ def counted_activations(
 
     if model_cfg.family == "mixtral":
         return None
-    family = FAMILIES[model_cfg.family]
-    config = copy.deepcopy(
-        family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
-        if model_cfg.pretrained
-        else family.hf_config(model_cfg)
-    )
+    family, config = FAMILIES[model_cfg.family], hf_config(model_cfg)
     config.num_hidden_layers = 2
     if tp > 1:
         config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -366,8 +359,8 @@ def counted_activations(
         config.intermediate_size //= tp
     default = torch.get_default_dtype()
     # the parameters, hence activations, of the run's compute dtype, or fp32 ones under autocast
-    torch.set_default_dtype(torch.float32 if autocast else COMPUTE_DTYPES[dtype])
-    casting = torch.autocast("cpu", dtype=COMPUTE_DTYPES[dtype], enabled=autocast and dtype != "fp32")
+    torch.set_default_dtype(torch.float32 if autocast else TORCH_DTYPES[dtype])
+    casting = torch.autocast("cpu", dtype=TORCH_DTYPES[dtype], enabled=autocast and dtype != "fp32")
     try:
         with FakeTensorMode(), _as_real_tensors(), casting:
             net = family.MODEL_CLASS._from_config(config).train()
@@ -479,7 +472,7 @@ def rank_activation_bytes(
         rank_of = [ranks[chunk] for chunk in range(len(ranks)) for _ in range(bounds[chunk], bounds[chunk + 1])]
     owners = rank_of[1 : 1 + n_layer]  # every family's layers: the embeddings, the blocks, then the norm and head
     every = ckpt.every_n_layers if ckpt.enabled else 0
-    element = torch.finfo(COMPUTE_DTYPES[config.precision.dtype]).bits // 8
+    element = TORCH_DTYPES[config.precision.dtype].itemsize
     block_input = micro * (config.data.block_size // layout.sp) * model.n_embd * element
     held = []
     for rank in range(layout.pp):

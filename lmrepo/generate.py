@@ -19,9 +19,9 @@ import torch
 from filelock import FileLock
 
 from lmrepo import checkpoint, launch
+from lmrepo.device import TORCH_DTYPES
 from lmrepo.errors import ConfigError, exit_error
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIMED_FORWARDS = 5  # fill-mask: one forward is too short to time alone
 
 
@@ -54,8 +54,8 @@ def parse_args(argv: list[str]) -> Options:
         raise ConfigError('run=RUN_DIR_OR_HF_DIR and prompt="..." are required')
     if options.max_new_tokens < 1 or options.temperature < 0 or options.top_k < 0 or not 0 < options.top_p <= 1:
         raise ConfigError("max_new_tokens must be >= 1, temperature >= 0, top_k >= 0 and top_p in (0, 1]")
-    if options.dtype not in DTYPES:
-        raise ConfigError(f"dtype={options.dtype} is not one of {', '.join(DTYPES)}")
+    if options.dtype not in TORCH_DTYPES:
+        raise ConfigError(f"dtype={options.dtype} is not one of {', '.join(TORCH_DTYPES)}")
     return options
 
 
@@ -222,7 +222,7 @@ def run(options: Options) -> dict:
     from deepspeed.accelerator import get_accelerator
     from transformers import set_seed
 
-    world, dtype = launch.world_size(), DTYPES[options.dtype]
+    world, dtype = launch.world_size(), TORCH_DTYPES[options.dtype]
     device_type = get_accelerator().device_name()
     if dtype == torch.float16 and not get_accelerator().is_fp16_supported():
         raise ConfigError(f"dtype=fp16 is not supported on this {device_type} device: use dtype=bf16 or fp32")

@@ -6,7 +6,8 @@ Inside `with SavedActivations() as saved:` every tensor autograd saves passes th
 first tensor saved of it until the last one is released with its graph. Parameters (and views of
 them) are model states, not activations, and are left out: FSDP2's gathered weights, a tensor-
 parallel slice and DeepSpeed's parameters are `nn.Parameter`s as well. A DTensor counts as its
-local shard. `saved.peak` is the most held at once, in bytes (since `step_peak()`, if called).
+local shard. `saved.peak` is the most held at once, in bytes; `with saved.step():` counts one
+training step's.
 
 Works on fake tensors too (`torch._subclasses.FakeTensorMode`): lmrepo.estimate counts a model's
 activations without memory or compute that way, with the kernels a real CPU run would choose.
@@ -16,18 +17,22 @@ keeps its region's inputs outside autograd: the count sees neither; DeepSpeed's 
 the inputs through autograd, where they count.
 """
 
-import weakref
+import contextlib
 
 import torch
 
 
 class _Held:
-    """What the pack hook hands autograd for a counted tensor; its release is the tensor's."""
+    """What the pack hook hands autograd for a counted tensor: autograd drops it with the graph,
+    and the count lets the tensor go then."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "counter", "key")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, counter: "SavedActivations", key: int):
+        self.tensor, self.counter, self.key = tensor, counter, key
+
+    def __del__(self):
+        self.counter._release(self.key)
 
 
 def _storage(tensor: torch.Tensor):
@@ -49,9 +54,14 @@ class SavedActivations:
         self._count: dict[int, list[int]] = {}  # storage -> [tensors saved of it, its bytes]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def step_peak(self) -> None:
-        """Starts a new peak from what is held now."""
-        self.peak = self.live
+    @contextlib.contextmanager
+    def step(self):
+        """Counts one step (inside the hooks): `last_step` is then the most it held at once above
+        what was held before it."""
+        start = self.peak = self.live
+        with self:
+            yield self
+        self.last_step = self.peak - start
 
     def __enter__(self) -> "SavedActivations":
         self._hooks.__enter__()
@@ -73,9 +83,7 @@ class SavedActivations:
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
-        held = _Held(tensor)
-        weakref.finalize(held, self._release, key)
-        return held
+        return _Held(tensor, self, key)
 
     @staticmethod
     def _unpack(packed):

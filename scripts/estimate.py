@@ -77,6 +77,7 @@ class Job:
     dp: int
     global_batch: int
     micro: int
+    grad_accum: int  # micro batches per step on each data-parallel rank (a pipeline's)
     offload_params: bool
 
 
@@ -89,7 +90,7 @@ def load_job(argv: list[str]) -> Job:
             cfg.precision.dtype = "bf16"
         layout = layout_check(cfg, own["world"])
         dp = layout.dp
-        global_batch, micro, _ = resolve_batch(
+        global_batch, micro, grad_accum = resolve_batch(
             cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, cfg.trainer.grad_accum, dp
         )
         return Job(
@@ -100,6 +101,7 @@ def load_job(argv: list[str]) -> Job:
             dp,
             global_batch,
             micro,
+            grad_accum,
             offload_params=cfg.offload.offloads_params(cfg.zero.stage),
         )
     except ConfigError as err:
@@ -280,7 +282,7 @@ def print_activations(job: Job, net, checkpointed: int) -> None:
         "  totals include the output layer, 4sbh(1 + V/h) with fp32 logits; an upper bound for GPT's layer under\n"
         "  fused attention (no s x s scores) and dropout 0 (no masks), not for transformers' unfused norms and GELU"
     )
-    microbatches = job.global_batch // (b * job.dp)
+    microbatches = job.grad_accum
     counted = estimate.layout_activations(cfg, layout, b, microbatches)
     if counted is None:
         print("  (a mixture of experts: no count per layout; DeepSpeed-MoE's layers need process groups to be built)")

@@ -145,17 +145,13 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         state = checkpoint.load(engine, found)
     data = engine_data(config, job.ds_config, engine, sources, tokenizer)
     checkpoint_dir = case_dir(out, words) / "checkpoints"
-    losses, norms, step_activations = [], [], []
+    losses, norms = [], []
     # What autograd keeps for backward during each step, above what it held before it, counted on
     # each rank of engine=fsdp2's layouts (not under compile: its graphs save their own way)
     saved = SavedActivations() if config.engine.name == "fsdp2" and not config.trainer.compile else None
     while state.step < config.trainer.max_steps:
-        before = saved.live if saved else 0
-        with saved or contextlib.nullcontext():
-            if saved:
-                saved.step_peak()
+        with saved.step() if saved else contextlib.nullcontext():
             loss = engine.train_step(data.train_step(state.consumed)).float().reshape(1)
-        step_activations.append(saved.peak - before if saved else None)
         state.step, state.consumed = state.step + 1, state.consumed + data.layout.global_batch
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
@@ -168,7 +164,7 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
     # What the last step kept at its most (the first may run more: a torch pipeline's shapes are
     # inferred by a forward of its own), and what stays held between steps (nothing, where no graph
     # outlives its step)
-    activations = gathered({"step": step_activations[-1], "between": saved.live}) if saved else None
+    activations = gathered({"step": saved.last_step, "between": saved.live}) if saved else None
     del engine, data
     return {
         "losses": losses,
