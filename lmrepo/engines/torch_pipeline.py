@@ -493,8 +493,10 @@ class TorchPipelineEngine:
             grad.mul_(coefficient)
 
     def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        squares = [g.detach().float().pow(2).sum() for g in grads]
-        return torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        """The sum of the squares of `grads`' elements, in float64 (fsdp2.global_grad_norm says why)."""
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum()
 
     # --- checkpoints (DeepSpeed's pipeline layout, lmrepo.engines.layer_files)
 
