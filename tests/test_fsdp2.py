@@ -332,10 +332,13 @@ def four_ranks(tmp_path_factory) -> Probed:
 
 @pytest.fixture(scope="module")
 def one_rank(four_ranks, eight_ranks, tmp_path_factory) -> dict:
-    """One process resuming the 4 x 1 run's step-7 checkpoint (the end of 2 x 2 -> 4 x 1 -> 1) and
-    the 3-D pipeline x data x tensor checkpoint."""
+    """One process training the 4- and the 8-rank runs' global batches from the start, and resuming
+    the 4 x 1 run's step-7 checkpoint (the end of 2 x 2 -> 4 x 1 -> 1) and the 3-D pipeline x data x
+    tensor checkpoint."""
     chain = four_ranks.resuming(TP_4, FSDP2_4) + [f"probe.save_at={CHAIN_AT}"]
     cases = {
+        "alone 4": list(ONE_4),
+        "alone 8": list(ONE_8),
         "chain": [*ONE_4, composition.saved(four_ranks.out, chain, CHAIN_AT)],
         "3-D": [*ONE_8, composition.saved(eight_ranks.out, eight_ranks.words("tensor"), SAVE_AT)],
     }
@@ -346,8 +349,8 @@ def one_rank(four_ranks, eight_ranks, tmp_path_factory) -> dict:
 # One FSDP2 layout against another, fp32, 10 steps with clipping active. FSDP2 sums the norm's
 # squares in float64 (engines/fsdp2.global_grad_norm), so the norms differ only by the rounding of
 # the gradients themselves: a few fp32 units (2^-24 = 6e-8) of each element, averaged over millions
-# of them. Measured between every pair of layouts here: losses up to 3e-7 apart, first norms 1e-8,
-# later norms 2.4e-6 (Adam amplifies the rounding step by step; a float32 sum of the 3.3M squares
+# of them. Measured between every pair of layouts here and one process: losses up to 3e-7 apart,
+# first norms 1e-8, later norms 3.7e-6 (Adam amplifies the rounding step by step; a float32 sum of the 3.3M squares
 # had moved them by up to 3e-4). Held to: losses 1e-5, the first norm 1e-6, later norms 1e-4. A
 # norm over a part of the shards, slices or stages, or a gradient off by a rank count, is off by
 # percents.
@@ -364,6 +367,15 @@ def assert_trains_as(ours: dict, theirs: dict) -> None:
     assert close(ours["grad_norms"][0], theirs["grad_norms"][0], LAYOUT_FP32["first_norm"]), (ours, theirs)
     for step, (norm, reference) in enumerate(zip(ours["grad_norms"][1:], theirs["grad_norms"][1:]), 1):
         assert close(norm, reference, LAYOUT_FP32["norm"]), (step, ours, theirs)
+
+
+@pytest.mark.distributed
+def test_fsdp2_over_4_and_8_ranks_equals_one_process(four_ranks, eight_ranks, one_rank):
+    """The layouts' common reference against one process on the same global batch (2 and 4 micro
+    batches of 2 sequences): every layout below is held to it, so each equals one process within
+    twice LAYOUT_FP32."""
+    assert_trains_as(four_ranks.runs[FSDP2_4], one_rank["alone 4"])
+    assert_trains_as(eight_ranks.runs["flat"], one_rank["alone 8"])
 
 
 @pytest.mark.distributed
