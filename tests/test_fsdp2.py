@@ -350,10 +350,10 @@ def one_rank(four_ranks, eight_ranks, tmp_path_factory) -> dict:
 # squares in float64 (engines/fsdp2.global_grad_norm), so the norms differ only by the rounding of
 # the gradients themselves: a few fp32 units (2^-24 = 6e-8) of each element, averaged over millions
 # of them. Measured between every pair of layouts here and one process: losses up to 3e-7 apart,
-# first norms 1e-8, later norms 3.7e-6 (Adam amplifies the rounding step by step; a float32 sum of the 3.3M squares
-# had moved them by up to 3e-4). Held to: losses 1e-5, the first norm 1e-6, later norms 1e-4. A
-# norm over a part of the shards, slices or stages, or a gradient off by a rank count, is off by
-# percents.
+# first norms 1e-8, later norms 3.7e-6 (Adam amplifies the rounding step by step; a float32 sum of
+# the 3.3M squares had moved them by up to 3e-4). Held to: losses 1e-5, the first norm 1e-6, later
+# norms 1e-4. A norm over a part of the shards, slices or stages, or a gradient off by a rank
+# count, is off by percents.
 LAYOUT_FP32 = {"loss": 1e-5, "first_norm": 1e-6, "norm": 1e-4}
 
 
