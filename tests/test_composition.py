@@ -8,9 +8,11 @@ Tolerances, from the arithmetic of a few AdamW steps of a tiny model:
 - fp32, another reduction order (sharded, pipelined, tensor-parallel sums): the losses agree to
   ~1e-6 relative (measured up to 3.3e-6 over 5 steps, shared/DESIGN.md); held to 2e-5. The first
   step's gradient norm sums the squares of ~3.3M gradient elements (the embedding's 50,257 x 64
-  among them) in another order and partition: ZeRO-3 against ZeRO-0 measured 3.1e-5 apart; held
-  to 1e-4. Later norms drift with Adam's amplification of rounding by up to 4e-4 (the same drift
-  gradient accumulation alone makes), held to 2e-3. A gradient off by any factor the bugs of this
+  among them) in another order and partition, in float32 in DeepSpeed's engines (a CPU's float32
+  norm of the embedding alone is off by up to 6e-5): ZeRO-3 against ZeRO-0 measured 3.1e-5 apart;
+  held to 1e-4. Later norms drift by up to 4e-4 (that sum's error, and Adam's amplification of
+  rounding), held to 2e-3. engine=fsdp2 sums in float64: its layouts agree far closer
+  (tests/test_fsdp2.py's LAYOUT_FP32). A gradient off by any factor the bugs of this
   kind make (x2 per rank, a lost side loss, a norm over one shard: 21%) is far outside.
 - bf16: one rounding of a bf16 value is 2^-8 = 0.4% relative; losses and the first norm of two
   bf16 runs (or of bf16 against fp32) differ by a few of those: held to 2e-2 (losses) and 3e-2
