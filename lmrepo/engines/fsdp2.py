@@ -258,10 +258,15 @@ def global_grad_norm(groups: list[list[torch.nn.Parameter]]) -> torch.Tensor:
     themselves. It costs one read of the gradients, as the float32 norm does."""
     norms = []
     for params in groups:
-        per_tensor = torch._foreach_norm([p.grad for p in params], 2.0, dtype=torch.float64)
-        norm = torch.linalg.vector_norm(torch.stack(per_tensor))
+        norm = float64_norm([p.grad for p in params])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def float64_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of `tensors` (of one mesh, or plain), summed in float64 without a float64 copy of
+    them (torch's get_total_norm has no dtype); DTensors give a DTensor to make whole."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)))
 
 
 def parallelize_blocks(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -75,7 +75,14 @@ from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES
 from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
-from lmrepo.engines.fsdp2 import by_mesh, data_mesh, global_grad_norm, parallelize_block, transformer_blocks
+from lmrepo.engines.fsdp2 import (
+    by_mesh,
+    data_mesh,
+    float64_norm,
+    global_grad_norm,
+    parallelize_block,
+    transformer_blocks,
+)
 from lmrepo.engines.layer_files import (
     CLIENT_KEYS,
     load_layer,
@@ -496,7 +503,7 @@ class TorchPipelineEngine:
         """The sum of the squares of `grads`' elements, in float64 (fsdp2.global_grad_norm says why)."""
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum()
+        return float64_norm(grads).square()
 
     # --- checkpoints (DeepSpeed's pipeline layout, lmrepo.engines.layer_files)
 
