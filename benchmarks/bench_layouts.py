@@ -6,7 +6,8 @@ rank, each beside scripts/estimate.py's figure for that layout.
     python benchmarks/bench_layouts.py --save     # also write benchmarks/results/bench_layouts_<machine>_<month>.md
 
 engine=fsdp2, fp32, one global batch for every layout of a rank count: FSDP2 over all ranks, HSDP,
-FSDP2 x tensor parallelism, a 1F1B pipeline x FSDP2 (4 ranks); FSDP2 over all, pipeline x data x
+FSDP2 x tensor parallelism (as shipped: sequence-parallel norms and a vocabulary-parallel loss; and
+the blocks' linears alone), a 1F1B pipeline x FSDP2 (4 ranks); FSDP2 over all, pipeline x data x
 tensor and pipeline x HSDP (8 ranks). The ranks of one count start once and build, step and drop
 one layout after another (as the suite's composition probe does); each layout's first step is not
 timed. Per rank:
@@ -54,11 +55,13 @@ MODEL = [
 ]
 QUICK_MODEL = [*MODEL, "model.n_layer=2", "data.block_size=64"]
 PIPELINE = ["pipeline=1f1b_torch", "pipeline.stages=2"]
+TP_LINEARS = ["tp=auto", "tp.size=2", "tp.sequence_parallel=false", "tp.loss_parallel=false"]
 LAYOUTS = {
     4: {
         "FSDP2 (dp_shard 4)": [],
         "HSDP (2 x 2)": ["engine.replicate=2"],
-        "FSDP2 x TP (2 x 2)": ["tp=auto", "tp.size=2"],
+        "FSDP2 x TP (2 x 2)": ["tp=auto", "tp.size=2"],  # the norms split by tokens, the loss by vocabulary
+        "FSDP2 x TP, linears only (2 x 2)": [*TP_LINEARS],
         "PP x FSDP2 (2 x 2)": PIPELINE,
     },
     8: {

@@ -6,7 +6,8 @@ Pure functions: no process group, no GPU. Sources:
 - model states: ZeRO (Rajbhandari et al. 2020, Sec. 3 and Fig. 1), ZeRO-Offload
   (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021);
 - activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models" (tensor parallel size 1, no sequence parallelism);
+  Models" (its closed form: tensor parallel size 1, no sequence parallelism), and per layout the
+  count of what the model's forward saves, on fake tensors (`counted_activations`);
 - FLOPs and time: lmrepo.metrics (the 72/96 forms of Narayanan et al. 2021) and its 8*T*P/(n*X).
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmrepo import tp as tp_plans
 from lmrepo.device import TORCH_DTYPES
 from lmrepo.models import FAMILIES
 
@@ -189,23 +191,34 @@ class RankParameters:
         return self.sharded / dp_shard + self.whole
 
 
-def fsdp2_rank_parameters(net: torch.nn.Module, config, layout) -> list[RankParameters]:
+def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0) -> list[RankParameters]:
     """The parameters each pipeline rank holds under engine=fsdp2 on `layout`, before FSDP2 shards
     them over its dp_shard ranks (HSDP's replicas each hold a copy of the shard): the layers of its
     pipeline chunks as the torch pipeline splits them (a tied embedding on every rank that computes
     with it, whole where two of the rank's chunks share it), the block linears tensor parallelism
-    splits counted 1/tp. One entry per pipeline rank (one without a pipeline). `net`: meta_model's."""
+    splits counted 1/tp, the head a vocabulary-parallel loss splits as tensor-parallel rank `tp_rank`
+    holds it (rank 0 holds the most where the vocabulary does not divide). One entry per pipeline
+    rank (one without a pipeline). `net`: meta_model's."""
     from lmrepo.engines.fsdp2 import transformer_blocks
     from lmrepo.tp import block_tp_plan
 
-    split = set()
+    split, by_rows = set(), set()
     if layout.tp > 1:
         for block in transformer_blocks(net):
             for name in block_tp_plan(net):
                 split.update(id(p) for p in block.get_submodule(name).parameters())
+        if tp_plans.loss_parallel(config, net.config.tie_word_embeddings):  # the head split by vocabulary
+            by_rows.update(id(p) for p in net.get_output_embeddings().parameters())
+
+    def share(p) -> float:
+        if id(p) in by_rows:  # DTensor's Shard(0): ceil(rows / tp) rows a rank, the last one the rest
+            rows = p.shape[0]
+            per_rank = -(-rows // layout.tp)
+            return max(0, min(per_rank, rows - tp_rank * per_rank)) * (p.numel() // rows)
+        return p.numel() / (layout.tp if id(p) in split else 1)
 
     def elements(params) -> float:
-        return float(sum(p.numel() / (layout.tp if id(p) in split else 1) for p in params))
+        return float(sum(share(p) for p in params))
 
     if config.pipeline.engine != "torch":  # the whole model, one FSDP2 unit per block and the root
         return [RankParameters(elements(net.parameters()))]  # parameters() lists a tied weight once
@@ -329,6 +342,8 @@ def counted_activations(
     loss_tiles: int | None = None,
     pipelined: bool = False,
     autocast: bool = False,
+    sequence_parallel: bool = False,
+    vocabulary_parallel: bool = False,
 ) -> ActivationCount | None:
     """What one rank's forward of one micro batch saves for backward, counted on fake tensors (no
     memory, no compute; the kernels a CPU run picks, fused attention among them) by
@@ -336,8 +351,11 @@ def counted_activations(
     or with `pipelined` the pipeline's layers (lmrepo.models.pipe) and its loss, layer by layer.
     Tensor parallelism over `tp` ranks: the block of one rank's slice (heads, key/value heads and
     the MLP's width / tp; the norms and the residual stream whole), as torch's and DeepSpeed's
-    plans compute it. Ulysses sequence parallelism over `sp` ranks: seq / sp tokens of everything
-    (inside attention all seq tokens of heads / sp: the same bytes). None for a mixture of
+    plans compute it; with `sequence_parallel` (engine=fsdp2's) what the norms keep is one rank's
+    tokens of it (the blocks' linears keep their inputs whole, all-gathered), with
+    `vocabulary_parallel` the head's and the loss's one rank's share of the vocabulary (the larger
+    one, rank 0's, where it does not divide). Ulysses sequence parallelism over `sp` ranks: seq / sp
+    tokens of everything (inside attention all seq tokens of heads / sp: the same bytes). None for a mixture of
     experts (DeepSpeed-MoE's layers need process groups to be built). A 16-bit `dtype` is the
     parameters' (DeepSpeed, FSDP2's mixed precision), or with `autocast` torch.autocast's over fp32
     ones (the torch pipeline; the CPU's autocast lists, which differ a little from CUDA's)."""
@@ -377,12 +395,20 @@ def counted_activations(
                     loss = pipe.LMLoss(model_cfg.family, config.vocab_size)(hidden, ids)  # held: its graph stays
                     after = [held[1], held[2], saved.live]  # the layers: the embeddings, the blocks, ...
                 else:
+                    if vocabulary_parallel:  # rank 0's rows of the head (the most), lmrepo's loss as the engine runs it
+                        rows = -(-config.vocab_size // tp)
+                        net.set_output_embeddings(torch.nn.Linear(config.hidden_size, rows, bias=False))
+                        loss_tiles = loss_tiles or 1
                     if loss_tiles is not None:
                         causal_loss.install(net, loss_tiles)
-                    hooks = [
-                        block.register_forward_hook(lambda *_: after.append(saved.live))
-                        for block in transformer_blocks(net)
-                    ]
+                    blocks = transformer_blocks(net)
+                    hooks = [block.register_forward_hook(lambda *_: after.append(saved.live)) for block in blocks]
+                    # what block 2's norms and the final norm keep, which sequence parallelism splits
+                    norms = [getattr(blocks[1], name) for name in tp_plans.SEQUENCE_PARALLEL_NORMS if sequence_parallel]
+                    norms += [net.base_model.norm] if sequence_parallel else []
+                    kept_by = {}
+                    for norm in norms:
+                        hooks += _count_inside(norm, saved, kept_by)
                     loss = net(input_ids=ids, labels=ids).loss  # held: its graph stays
                     after.append(saved.live)
                     for hook in hooks:
@@ -391,8 +417,21 @@ def counted_activations(
     finally:
         torch.set_default_dtype(default)
     # Block 1 also saves what every block shares (transformers computes the rotary angles once): the first's
-    block = after[1] - after[0]
-    return ActivationCount(block=block, first=after[0] - block, last=after[2] - after[1])
+    block, last = after[1] - after[0], after[2] - after[1]
+    first = after[0] - block
+    if sequence_parallel:  # the norms keep 1/tp of it: one rank's tokens
+        split = 1 - 1 / tp
+        block -= split * sum(kept for norm, kept in kept_by.items() if norm is not net.base_model.norm)
+        last -= split * kept_by[net.base_model.norm]
+    return ActivationCount(block=block, first=first, last=last)
+
+
+def _count_inside(module: torch.nn.Module, saved, kept_by: dict) -> list:
+    """Hooks that set kept_by[module] to what `module`'s forward saves for backward."""
+    return [
+        module.register_forward_pre_hook(lambda m, _: kept_by.update({m: -saved.live})),
+        module.register_forward_hook(lambda m, *_: kept_by.update({m: kept_by[m] + saved.live})),
+    ]
 
 
 @contextlib.contextmanager
@@ -439,9 +478,11 @@ def layout_activations(config, layout, micro: int, microbatches: int) -> tuple[A
     None for a mixture of experts."""
     pipelined = config.pipeline.schedule != "none"
     autocast = pipelined and config.pipeline.engine == "torch"  # the torch pipeline's bf16 is torch.autocast
+    tied = hf_config(config.model).tie_word_embeddings
     count = counted_activations(
         config.model, micro, config.data.block_size, config.precision.dtype, layout.tp, layout.sp,
         config.trainer.loss_tiles, pipelined, autocast,
+        layout.tp > 1 and tp_plans.sequence_parallel(config), layout.tp > 1 and tp_plans.loss_parallel(config, tied),
     )  # fmt: skip
     if count is None:
         return None

@@ -10,6 +10,11 @@ split this model.
   BERT ship none (GPT-2's fused `c_attn` holds q, k and v in one matrix: split by columns, a rank
   would get q and half of k).
 
+  Where it runs (no pipeline), two more splits are on by default, as torchtitan turns them on
+  with tensor parallelism: Megatron's sequence parallelism (the norms and the residual stream
+  between the split linears split by tokens) and a vocabulary-parallel loss (the LM head split by
+  vocabulary, the cross-entropy taken on the split logits).
+
 Both are pure functions of the module structure, so a model on the meta device answers for the
 real one.
 """
@@ -21,6 +26,8 @@ import torch
 # projections as (-1, head_dim), so it runs on the local heads unchanged.
 TORCH_STYLES = ("colwise", "rowwise")
 BLOCKS = "layers.*."  # the prefix of a plan's entries inside the decoder blocks
+# The norms of a Llama decoder layer (transformers 5.23), which sequence parallelism splits by tokens
+SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def autotp_refusal(model: torch.nn.Module) -> str | None:
@@ -67,3 +74,26 @@ def block_tp_plan(model: torch.nn.Module) -> dict[str, str]:
     if len(inside) != len(plan) or any(style not in TORCH_STYLES for style in inside.values()):
         return {}
     return inside
+
+
+def _splits_more(config) -> bool:
+    """Where engine=fsdp2's sequence-parallel norms and vocabulary-parallel loss run: its tensor
+    parallelism without a pipeline (a stage would pass token-split activations to the next)."""
+    return config.engine.name == "fsdp2" and str(config.tp.mode) == "auto" and config.pipeline.schedule == "none"
+
+
+def sequence_parallel(config) -> bool:
+    """tp.sequence_parallel as the run applies it: null is on where it runs, each sequence splits
+    evenly over the tp ranks, and no lm-eval task runs in the loop (its requests have any length,
+    and generation feeds one token at a time)."""
+    if config.tp.sequence_parallel is not None:
+        return config.tp.sequence_parallel
+    return _splits_more(config) and config.data.block_size % config.tp.size == 0 and not config.eval.tasks
+
+
+def loss_parallel(config, tied: bool) -> bool:
+    """tp.loss_parallel as the run applies it: null is on where it runs and the LM head's weight is
+    its own (`tied`: the input embedding's, which stays whole)."""
+    if config.tp.loss_parallel is not None:
+        return config.tp.loss_parallel
+    return _splits_more(config) and not tied

@@ -18,7 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from lmrepo import estimate
+from lmrepo import estimate, tp
 from lmrepo.compose import load_config
 from lmrepo.config import TrainConfig, layout_check
 from lmrepo.ds_config import resolve_batch
@@ -294,6 +294,10 @@ def print_activations(job: Job, net, checkpointed: int) -> None:
         f"{'its pipeline layers' if pipelined else 'its model'}, GiB"
     )
     slice_ = f", 1/{layout.tp} of each block" if layout.tp > 1 else ""
+    if layout.tp > 1 and tp.sequence_parallel(cfg):
+        slice_ += " and of its norms' tokens (tp.sequence_parallel)"
+    if layout.tp > 1 and tp.loss_parallel(cfg, estimate.hf_config(cfg.model).tie_word_embeddings):
+        slice_ += f", 1/{layout.tp} of the vocabulary (tp.loss_parallel)"
     print(
         f"  one micro batch of {b} x {s // layout.sp} tokens{slice_}: a block {count.block / GIB:.3f}, "
         f"the embeddings {count.first / GIB:.3f}, the head and loss {count.last / GIB:.3f}"

@@ -122,6 +122,9 @@ def test_fsdp2_export_gives_the_runs_logits(launch2, tmp_path):
     assert_close(ours, theirs, NORM_STEPS, "logits")
 
 
+LLAMA_TP = ["model=llama-tiny", "tp=auto", "tp.size=2"]
+
+
 @pytest.mark.parametrize(
     "overrides, says",
     [
@@ -137,12 +140,38 @@ def test_fsdp2_export_gives_the_runs_logits(launch2, tmp_path):
         (["deepspeed_config=ds.json"], "drop it, or choose engine=deepspeed"),
         (["model.zero_init=true"], "model.zero_init is DeepSpeed's zero.Init"),
         (["checkpointing=full", "checkpointing.partition_activations=true"], "checkpointing.partition_activations"),
+        # tensor parallelism's further splits, asked for where they do not run
+        (["engine=deepspeed", *LLAMA_TP, "tp.sequence_parallel=true"], "choose engine=fsdp2 tp=auto, or drop it"),
+        (["model=llama-tiny", "tp.loss_parallel=true"], "choose engine=fsdp2 tp=auto, or drop it"),
+        ([*LLAMA_TP, "pipeline=gpipe", "tp.loss_parallel=true"], "drop it, or choose pipeline=none"),
+        ([*LLAMA_TP, "data.block_size=33", "tp.sequence_parallel=true"], "data.block_size=33 does not divide by it"),
+        ([*LLAMA_TP, "eval.tasks=[shakespeare_cloze]", "tp.sequence_parallel=true"], "set tp.sequence_parallel=false"),
+        ([*LLAMA_TP, "model.tie_embeddings=true", "tp.loss_parallel=true"], "set model.tie_embeddings=false"),
     ],
 )
 def test_what_fsdp2_cannot_mean_is_one_line(overrides, says):
     with pytest.raises(ConfigError) as err:
         load_config(["engine=fsdp2", *overrides])
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, sequence, vocabulary",
+    [
+        ([], True, True),  # where they run, torchtitan's way
+        (["data.block_size=33"], False, True),  # a sequence that does not split evenly
+        (["eval.tasks=[shakespeare_cloze]"], False, True),  # lm-eval's requests of any length
+        (["model.tie_embeddings=true"], True, False),  # the head is the input embedding, whole
+        (["pipeline=gpipe"], False, False),
+        (["tp.sequence_parallel=false", "tp.loss_parallel=false"], False, False),
+    ],
+)
+def test_tensor_parallel_splits_the_norms_and_the_loss_where_they_run(overrides, sequence, vocabulary):
+    from lmrepo import tp
+
+    config = load_config(["engine=fsdp2", *LLAMA_TP, *overrides])
+    assert tp.sequence_parallel(config) == sequence
+    assert tp.loss_parallel(config, config.model.tie_embeddings) == vocabulary
 
 
 def test_fsdp2_defaults_to_full_sharding_and_keeps_a_chosen_stage():
@@ -230,7 +259,8 @@ def probe(out, ranks: int, cases: list[list[str]]) -> dict:
 STEPS = "trainer.max_steps=10"
 FSDP2_4 = (*composition.overrides("fsdp2"), "trainer.micro_batch_size=1", STEPS)
 HSDP_4 = (*FSDP2_4, "engine.replicate=2")
-TP_4 = (*composition.overrides("fsdp2", "autotp"), STEPS)
+TP_4 = (*composition.overrides("fsdp2", "autotp"), STEPS)  # the norms split by tokens, the loss by vocabulary
+TP_LINEARS_4 = (*TP_4, "tp.sequence_parallel=false", "tp.loss_parallel=false")  # the blocks' linears alone
 PP_4 = (*composition.overrides("fsdp2", "torch_pipeline"), "trainer.micro_batch_size=1", STEPS)
 PP_1F1B_4 = (*PP_4, "pipeline=1f1b_torch", "zero=stage2", "checkpointing=full")
 PP_TP_4 = (*composition.overrides("fsdp2", "torch_pipeline", "autotp"), "trainer.micro_batch_size=1", STEPS)
@@ -318,6 +348,7 @@ def four_ranks(tmp_path_factory) -> Probed:
         FSDP2_4,
         HSDP_4,
         TP_4,
+        TP_LINEARS_4,
         PP_4,
         PP_1F1B_4,
         PP_TP_4,
@@ -386,12 +417,16 @@ def test_hsdp_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks):
 
 
 @pytest.mark.distributed
-def test_fsdp2_tensor_parallel_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks):
+@pytest.mark.parametrize("tensor_parallel", [TP_4, TP_LINEARS_4], ids=["sequence-and-loss-parallel", "linears"])
+def test_fsdp2_tensor_parallel_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks, tensor_parallel):
     """engine=fsdp2 tp=auto on 4 ranks: torch's Colwise/RowwiseParallel in every block over 2
     tensor-parallel ranks, fully_shard over the 2 data-parallel ones (a data x tensor mesh), trains
-    as FSDP2 sharding over all 4. Its gradient norm, logged and clipped by, is the whole model's:
-    one that left out a tensor-parallel rank's shards would be far outside the first norm's 1e-6."""
-    assert_trains_as(four_ranks.runs[TP_4], four_ranks.runs[FSDP2_4])
+    as FSDP2 sharding over all 4: as shipped (the norms and the residual stream split by tokens,
+    the head by vocabulary, the loss taken on the split logits) and with the linears split alone.
+    Its gradient norm, logged and clipped by, is the whole model's: one that left out a tensor-
+    parallel rank's shards (the head's half of the vocabulary, a norm weight's gradient from half
+    the tokens) would be far outside the first norm's 1e-6."""
+    assert_trains_as(four_ranks.runs[tensor_parallel], four_ranks.runs[FSDP2_4])
 
 
 @pytest.mark.distributed
@@ -464,11 +499,11 @@ def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, ei
         config = load_config(words)
         layout = ParallelLayout.of(config, ranks)
         net = meta_model(config.model)
-        expected = fsdp2_rank_parameters(net, config, layout)
         rows = sum(p.numel() / p.shape[0] for p in net.parameters())  # one dim-0 row of every tensor
         held = result["parameters_held"]
         for rank in range(ranks):
-            stage = expected[layout.stage(rank)]
+            # a head split by vocabulary (tp.loss_parallel): 50257 rows, one more on tp rank 0
+            stage = fsdp2_rank_parameters(net, config, layout, layout.coordinates(rank)["tp"])[layout.stage(rank)]
             shard_group = layout.group(rank, ("dp_shard",))
             together = sum(held[r] for r in shard_group) - (len(shard_group) - 1) * stage.whole
             assert together == stage.sharded + stage.whole, (words, rank, held, stage)

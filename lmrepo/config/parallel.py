@@ -237,6 +237,15 @@ class TPConfig:
     tensor-parallel styles under engine=fsdp2)"""
     size: int = 1
     """tensor-parallel ranks per group; world = size x data-parallel ranks"""
+    sequence_parallel: Optional[bool] = None
+    """engine=fsdp2: Megatron's sequence parallelism, the norms and the residual stream between the
+    split linears split by tokens over the tp ranks (their activations / tp, the same traffic);
+    null = on where it runs (engine=fsdp2 without a pipeline, data.block_size divisible by
+    tp.size, no eval.tasks). Not the sequence_parallel group (DeepSpeed Ulysses)"""
+    loss_parallel: Optional[bool] = None
+    """engine=fsdp2: the LM head split by vocabulary over the tp ranks and the cross-entropy taken
+    on the split logits (torch's loss_parallel: the logits / tp, never gathered); null = on where
+    it runs (engine=fsdp2 without a pipeline, untied embeddings)"""
 
     def check(self) -> None:
         if self.mode == TPMode.none:

@@ -502,6 +502,52 @@ RULES: list[Rule] = [
         ),
         NotYet("torch tensor-parallel plans for GPT-2 (its fused c_attn) and BERT; transformers 5.23 ships none"),
     ),
+    # --- engine=fsdp2's further tensor-parallel splits (tp.sequence_parallel, tp.loss_parallel): on
+    # by default where they run; set to true elsewhere, one line
+    Rule(
+        ("tp.sequence_parallel, tp.loss_parallel", "engine=deepspeed"),
+        lambda j: bool(_asked_splits(j)) and not on(j, "fsdp2", "autotp"),
+        lambda j: (
+            f"{_asked_splits(j)} is a split of engine=fsdp2's tensor parallelism (torch's styles): choose "
+            "engine=fsdp2 tp=auto, or drop it"
+        ),
+        NotYet("sequence-parallel norms and a vocabulary-parallel loss beside DeepSpeed's AutoTP (it splits linears)"),
+    ),
+    Rule(
+        ("tp.sequence_parallel, tp.loss_parallel", "torch_pipeline"),
+        lambda j: bool(_asked_splits(j)) and on(j, "torch_pipeline"),
+        lambda j: f"{_asked_splits(j)} does not combine with a pipeline here: drop it, or choose pipeline=none",
+        NotYet("token-split activations sent between pipeline stages, a vocabulary-split head on the last stage"),
+    ),
+    Rule(
+        ("tp.sequence_parallel", "data.block_size"),
+        lambda j: _c(j).tp.sequence_parallel is True and _c(j).data.block_size % _c(j).tp.size != 0,
+        lambda j: (
+            f"tp.sequence_parallel=true splits each sequence over tp.size={_c(j).tp.size} ranks, and "
+            f"data.block_size={_c(j).data.block_size} does not divide by it: choose a block size divisible by "
+            f"{_c(j).tp.size}, or tp.sequence_parallel=false"
+        ),
+        NotYet("uneven token splits (each rank's norms on its own token count)"),
+    ),
+    Rule(
+        ("tp.sequence_parallel", "eval.tasks"),
+        lambda j: _c(j).tp.sequence_parallel is True and bool(_c(j).eval.tasks),
+        lambda j: (
+            "tp.sequence_parallel=true splits every sequence evenly over the tp ranks, and eval.tasks' requests "
+            "have any length (generation: one token at a time): set tp.sequence_parallel=false, or evaluate a "
+            "checkpoint after training (python scripts/evaluate.py run=RUN)"
+        ),
+        NotYet("lm-eval requests of any length through token-split blocks"),
+    ),
+    Rule(
+        ("tp.loss_parallel", "tied embeddings"),
+        lambda j: _c(j).tp.loss_parallel is True and _tied(j),
+        lambda j: (
+            "tp.loss_parallel=true splits the LM head by vocabulary, and this model ties it to the input "
+            "embedding, which stays whole: set model.tie_embeddings=false, or tp.loss_parallel=false"
+        ),
+        NotYet("a vocabulary-parallel input embedding, for a head tied to it"),
+    ),
     Rule(
         ("ds_pipeline", "zero3"),
         lambda j: on(j, "ds_pipeline") and j.stage > 1,
@@ -635,6 +681,21 @@ def _torch_tp_refusal(job: Job) -> str | None:
         model = meta_model(_c(job).model)
         job._torch_tp = None if block_tp_plan(model) else type(model).__name__
     return job._torch_tp
+
+
+def _asked_splits(job: Job) -> str:
+    """The tp.sequence_parallel / tp.loss_parallel a user set to true, as the words they wrote."""
+    tp = _c(job).tp
+    return " ".join(f"tp.{key}=true" for key in ("sequence_parallel", "loss_parallel") if getattr(tp, key) is True)
+
+
+def _tied(job: Job) -> bool:
+    """Whether the model's LM head is its input embedding (a pretrained directory's config says)."""
+    if not hasattr(job, "_tied"):
+        from lmrepo.estimate import hf_config
+
+        job._tied = bool(hf_config(_c(job).model).tie_word_embeddings)
+    return job._tied
 
 
 def _is_muon(job: Job) -> bool:

@@ -10,8 +10,12 @@ then the root). What the groups mean here:
 - tp=auto tp.size=N: tensor parallelism on a (data x tensor) mesh, torchtitan's order: in each
   block the linears of transformers' tensor-parallel plan split by torch's ColwiseParallel (q, k,
   v, gate, up) and RowwiseParallel (o, down) over the tp ranks, then the rest below, then
-  fully_shard over the data-parallel ranks. Embeddings, norms and the LM head stay whole on every
-  rank of a tp group.
+  fully_shard over the data-parallel ranks. With tp.sequence_parallel (on by default here) the
+  norms and the residual stream between them are split by tokens (torch's SequenceParallel; o and
+  down reduce-scatter to the tokens, attention and the MLP all-gather them); with
+  tp.loss_parallel the LM head is split by vocabulary and the cross-entropy runs under torch's
+  loss_parallel. Without them the embeddings, norms and the LM head stay whole on every rank of a
+  tp group; the embeddings always do.
 - checkpointing=full|every_n: the blocks recompute with torch.utils.checkpoint (non-reentrant).
 - trainer.compile: each block torch.compile'd before it is sharded.
 - optimizer, schedule, trainer.grad_clip: torch's Adam/AdamW with lmrepo's parameter groups,
@@ -22,6 +26,7 @@ then the root). What the groups mean here:
 The rest is refused before launch (lmrepo.config.fsdp2_check).
 """
 
+import contextlib
 import pickle
 from pathlib import Path
 
@@ -31,10 +36,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
-from lmrepo import safe_load
+from lmrepo import safe_load, tp
 from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, TrainConfig
 from lmrepo.device import isolate_compile_cache
 from lmrepo.engines.base import TORCH_OPTIMIZERS, to_device
@@ -49,9 +61,8 @@ from lmrepo.engines.layer_files import (
 )
 from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
-from lmrepo.models import build_model, pipe
+from lmrepo.models import build_model, causal_loss, pipe
 from lmrepo.schedules import build_scheduler
-from lmrepo.tp import block_tp_plan
 
 CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
 
@@ -82,8 +93,12 @@ class FSDP2Engine:
         layout: ParallelLayout,
         mesh: DeviceMesh,
         family: str,
+        vocabulary_parallel: bool = False,
     ):
         self.device, self.family = device, family
+        # torch's loss_parallel computes the cross-entropy of vocabulary-split logits, in forward
+        # and in backward (its ops are DTensor's, dispatched while the context is open)
+        self.loss_context = loss_parallel if vocabulary_parallel else contextlib.nullcontext
         self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
         # FSDP shards over the data-parallel ranks; with replicas (HSDP) over the ranks of one replica,
         # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard).
@@ -138,8 +153,9 @@ class FSDP2Engine:
         averaged over the ranks (FSDP2's reduce-scatter), clipped on their global norm, one step."""
         losses = []
         for batch in batches:
-            loss = self.module(**to_device(batch, self.device)).loss
-            (loss / len(batches)).backward()
+            with self.loss_context():
+                loss = self.module(**to_device(batch, self.device)).loss
+                (loss / len(batches)).backward()
             losses.append(loss.detach().float())
         # The global norm before clipping, over every shard of every mesh dimension.
         groups = by_mesh([p for p in self.module.parameters() if p.grad is not None])
@@ -157,7 +173,9 @@ class FSDP2Engine:
     @torch.no_grad()
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:
         self.eval()
-        mean = torch.stack([self.module(**to_device(batch, self.device)).loss.float() for batch in batches]).mean()
+        with self.loss_context():
+            losses = [self.module(**to_device(batch, self.device)).loss.float() for batch in batches]
+        mean = torch.stack(losses).mean()
         self.train()
         return mean
 
@@ -269,21 +287,66 @@ def float64_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)))
 
 
-def parallelize_blocks(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+def parallelize_blocks(
+    model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocabulary_parallel: bool = False
+) -> None:
     """Tensor parallelism, applied before anything else touches the blocks: in each block the
     linears transformers' plan names (lmrepo.tp.block_tp_plan) split over the tp ranks, column-wise
-    (q, k, v, gate, up: each rank computes its own heads and MLP columns; their input's gradient
-    all-reduced in backward) or row-wise (o, down: the partial sums all-reduced). What goes in and
-    out of them stays a plain tensor, so transformers' attention runs on the local heads."""
-    plan = block_tp_plan(model)
-    for block in transformer_blocks(model):
-        parallelize_block(block, tp_mesh, plan)
+    (q, k, v, gate, up: each rank computes its own heads and MLP columns) or row-wise (o, down: the
+    partial sums reduced). Attention runs on the local heads of whole sequences, so transformers'
+    rotary angles and causal mask, computed once before the blocks, serve it unchanged.
+
+    `sequence_parallel` (Megatron's, torchtitan's plan): the residual stream split by tokens from
+    the first block's input (a local slice, no traffic) to the final norm, whose output is gathered
+    for the head; each norm runs on its rank's tokens. Otherwise the row-wise linears all-reduce
+    and every rank holds every token between the blocks' linears.
+    `vocabulary_parallel`: the LM head split by vocabulary, its logits left split for torch's
+    loss_parallel (FSDP2Engine.loss_context)."""
+    plan = block_tp_plan_styles(tp.block_tp_plan(model), sequence_parallel)
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                           desired_input_layouts=(Shard(1),), use_local_output=True))  # fmt: skip
+        final_norm = model.base_model.norm
+        parallelize_module(final_norm, tp_mesh, SequenceParallel())
+        final_norm.register_forward_hook(_every_token)
+    if vocabulary_parallel:
+        head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        parallelize_module(model.get_output_embeddings(), tp_mesh, head)
+
+
+def _every_token(module, args, output: DTensor) -> torch.Tensor:
+    """The final norm's token-split output gathered: the head and the loss see whole sequences."""
+    return output.redistribute(placements=[Replicate()]).to_local()
+
+
+def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) -> dict:
+    """torch's styles for one block's `plan` ({name: "colwise" | "rowwise"}). With
+    `sequence_parallel`, for Llama's decoder layer (transformers 5.23: its two norms, attention
+    called with hidden_states=..., the MLP with it positionally): the norms on token-split input,
+    attention and the MLP gathering every token, the row-wise linears reduce-scattering to them."""
+    if not sequence_parallel:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        return {name: styles[style]() for name, style in plan.items()}
+    tokens, whole = Shard(1), Replicate()
+    styles = {
+        name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=tokens)
+        for name, style in plan.items()
+    }
+    return {
+        **styles,
+        **{norm: SequenceParallel() for norm in tp.SEQUENCE_PARALLEL_NORMS},
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
+                                        desired_input_kwarg_layouts={"hidden_states": whole}, use_local_output=True),
+        "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True),
+    }  # fmt: skip
 
 
 def parallelize_block(block: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
     """One block's linears of `plan` ({name: "colwise" | "rowwise"}) split over the tp ranks."""
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in plan.items()})
+    parallelize_module(block, tp_mesh, block_tp_plan_styles(plan))
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):
@@ -353,12 +416,15 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     mesh = layout.mesh(device.type)
     tiles = config.trainer.loss_tiles
     model = build_model(config.model, loss_tiles=tiles if tiles > 1 else None)
+    vocabulary_parallel = layout.tp > 1 and tp.loss_parallel(config, model.config.tie_word_embeddings)
+    if vocabulary_parallel and tiles == 1:
+        causal_loss.install(model, 1)  # lmrepo's loss: a plain loss from the split logits, which it never returns
     offload = config.offload.target == OffloadTarget.cpu
     if not offload:
         model.to(device)
     # torchtitan's order: tensor parallelism, activation checkpointing, compile, then fully_shard
     if layout.tp > 1:
-        parallelize_blocks(model, mesh["tp"])
+        parallelize_blocks(model, mesh["tp"], tp.sequence_parallel(config), vocabulary_parallel)
     enable_activation_checkpointing(model, config.checkpointing)
     if config.trainer.compile:
         isolate_compile_cache()
@@ -378,6 +444,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
         layout=layout,
         mesh=mesh,
         family=config.model.family,
+        vocabulary_parallel=vocabulary_parallel,
     )
 
 

@@ -19,6 +19,7 @@ own forward, logits and all."""
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -32,7 +33,10 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
 
 def _tile_loss_sum(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()  # transformers' loss upcasts the logits too
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    # A head split by vocabulary (engine=fsdp2 tp.loss_parallel) gives logits split by vocabulary,
+    # whose cross-entropy torch's loss_parallel takes: a loss every rank holds whole
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def loss_sum(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -51,7 +55,10 @@ def install(model, tiles: int) -> None:
 
     def forward(input_ids=None, labels=None, shift_labels=None, scored_tokens=None, position_ids=None, **kwargs):
         if labels is None and shift_labels is None:
-            return original(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            output = original(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            if isinstance(output.logits, DTensor):  # a head split by vocabulary: every rank gets them whole
+                output.logits = output.logits.full_tensor()
+            return output
         if shift_labels is None:
             shift_labels = shifted(labels)
         # The head looked up at each call: an engine may have replaced it since (DeepSpeed's AutoTP
