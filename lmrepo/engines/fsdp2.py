@@ -302,13 +302,14 @@ def parallelize_blocks(
     and every rank holds every token between the blocks' linears.
     `vocabulary_parallel`: the LM head split by vocabulary, its logits left split for torch's
     loss_parallel (FSDP2Engine.loss_context)."""
-    plan = block_tp_plan_styles(tp.block_tp_plan(model), sequence_parallel)
-    blocks = transformer_blocks(model)
+    plan, blocks = tp.block_tp_plan(model), transformer_blocks(model)
     for block in blocks:
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_tp_plan_styles(plan, sequence_parallel))
     if sequence_parallel:
-        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
-                           desired_input_layouts=(Shard(1),), use_local_output=True))  # fmt: skip
+        split_tokens = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        parallelize_module(blocks[0], tp_mesh, split_tokens)
         final_norm = model.base_model.norm
         parallelize_module(final_norm, tp_mesh, SequenceParallel())
         final_norm.register_forward_hook(_every_token)
@@ -335,13 +336,18 @@ def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) 
         name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=tokens)
         for name, style in plan.items()
     }
+    gather_attention_input = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": tokens},
+        desired_input_kwarg_layouts={"hidden_states": whole},
+        use_local_output=True,
+    )
+    gather_mlp = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
     return {
         **styles,
         **{norm: SequenceParallel() for norm in tp.SEQUENCE_PARALLEL_NORMS},
-        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
-                                        desired_input_kwarg_layouts={"hidden_states": whole}, use_local_output=True),
-        "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True),
-    }  # fmt: skip
+        "self_attn": gather_attention_input,
+        "mlp": gather_mlp,
+    }
 
 
 def parallelize_block(block: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
