@@ -1,5 +1,5 @@
 """lmrepo's own causal-LM loss, in place of the one transformers computes inside the model's forward,
-for two reasons:
+for three reasons:
 
 - Tiles (`trainer.loss_tiles`): the LM head and the cross-entropy run on one chunk of the sequence
   at a time, each chunk under non-reentrant activation checkpointing, so neither forward nor
@@ -12,10 +12,12 @@ for two reasons:
   the sequence-parallel group, so the group's gradient is exactly the unsplit one; the loss as
   transformers' DeepSpeed integration builds it (a differentiable all-gather of the per-rank
   losses) makes every gradient x the group size.
+- A head split by vocabulary (engine=fsdp2's tp.loss_parallel): its logits stay split, and the
+  cross-entropy runs on them under torch's loss_parallel (no rank holds every logit).
 
-Both take labels already shifted (`shift_labels`, -100 = not scored) or unshifted `labels`
+All take labels already shifted (`shift_labels`, -100 = not scored) or unshifted `labels`
 (shifted here, as transformers does); a call without labels (generation, lm-eval) is the model's
-own forward, logits and all."""
+own forward, logits and all (gathered whole from a head split by vocabulary)."""
 
 import torch
 import torch.nn.functional as F
