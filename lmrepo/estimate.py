@@ -207,7 +207,7 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
         for block in transformer_blocks(net):
             for name in block_tp_plan(net):
                 split.update(id(p) for p in block.get_submodule(name).parameters())
-        if tp_plans.loss_parallel(config, net.config.tie_word_embeddings):  # the head split by vocabulary
+        if tp_plans.loss_parallel(config):  # the head split by vocabulary
             by_rows.update(id(p) for p in net.get_output_embeddings().parameters())
 
     def share(p) -> float:
@@ -478,11 +478,10 @@ def layout_activations(config, layout, micro: int, microbatches: int) -> tuple[A
     None for a mixture of experts."""
     pipelined = config.pipeline.schedule != "none"
     autocast = pipelined and config.pipeline.engine == "torch"  # the torch pipeline's bf16 is torch.autocast
-    tied = hf_config(config.model).tie_word_embeddings
     count = counted_activations(
         config.model, micro, config.data.block_size, config.precision.dtype, layout.tp, layout.sp,
         config.trainer.loss_tiles, pipelined, autocast,
-        layout.tp > 1 and tp_plans.sequence_parallel(config), layout.tp > 1 and tp_plans.loss_parallel(config, tied),
+        layout.tp > 1 and tp_plans.sequence_parallel(config), layout.tp > 1 and tp_plans.loss_parallel(config),
     )  # fmt: skip
     if count is None:
         return None

@@ -91,9 +91,16 @@ def sequence_parallel(config) -> bool:
     return _splits_more(config) and config.data.block_size % config.tp.size == 0 and not config.eval.tasks
 
 
-def loss_parallel(config, tied: bool) -> bool:
+def loss_parallel(config) -> bool:
     """tp.loss_parallel as the run applies it: null is on where it runs and the LM head's weight is
-    its own (`tied`: the input embedding's, which stays whole)."""
+    its own (not the input embedding's, which stays whole)."""
     if config.tp.loss_parallel is not None:
         return config.tp.loss_parallel
-    return _splits_more(config) and not tied
+    return _splits_more(config) and not tied_head(config)
+
+
+def tied_head(config) -> bool:
+    """Whether the model's LM head is its input embedding (a pretrained directory's config says)."""
+    from lmrepo.estimate import hf_config
+
+    return bool(hf_config(config.model).tie_word_embeddings)

@@ -296,7 +296,7 @@ def print_activations(job: Job, net, checkpointed: int) -> None:
     slice_ = f", 1/{layout.tp} of each block" if layout.tp > 1 else ""
     if layout.tp > 1 and tp.sequence_parallel(cfg):
         slice_ += " and of its norms' tokens (tp.sequence_parallel)"
-    if layout.tp > 1 and tp.loss_parallel(cfg, estimate.hf_config(cfg.model).tie_word_embeddings):
+    if layout.tp > 1 and tp.loss_parallel(cfg):
         slice_ += f", 1/{layout.tp} of the vocabulary (tp.loss_parallel)"
     print(
         f"  one micro batch of {b} x {s // layout.sp} tokens{slice_}: a block {count.block / GIB:.3f}, "

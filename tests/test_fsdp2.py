@@ -171,7 +171,7 @@ def test_tensor_parallel_splits_the_norms_and_the_loss_where_they_run(overrides,
 
     config = load_config(["engine=fsdp2", *LLAMA_TP, *overrides])
     assert tp.sequence_parallel(config) == sequence
-    assert tp.loss_parallel(config, config.model.tie_embeddings) == vocabulary
+    assert tp.loss_parallel(config) == vocabulary
 
 
 def test_fsdp2_defaults_to_full_sharding_and_keeps_a_chosen_stage():

@@ -541,7 +541,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("tp.loss_parallel", "tied embeddings"),
-        lambda j: _c(j).tp.loss_parallel is True and _tied(j),
+        lambda j: _c(j).tp.loss_parallel is True and _tied_head(j),
         lambda j: (
             "tp.loss_parallel=true splits the LM head by vocabulary, and this model ties it to the input "
             "embedding, which stays whole: set model.tie_embeddings=false, or tp.loss_parallel=false"
@@ -689,13 +689,10 @@ def _asked_splits(job: Job) -> str:
     return " ".join(f"tp.{key}=true" for key in ("sequence_parallel", "loss_parallel") if getattr(tp, key) is True)
 
 
-def _tied(job: Job) -> bool:
-    """Whether the model's LM head is its input embedding (a pretrained directory's config says)."""
-    if not hasattr(job, "_tied"):
-        from lmrepo.estimate import hf_config
+def _tied_head(job: Job) -> bool:
+    from lmrepo.tp import tied_head  # torch, imported once a tensor-parallel rule asks
 
-        job._tied = bool(hf_config(_c(job).model).tie_word_embeddings)
-    return job._tied
+    return tied_head(_c(job))
 
 
 def _is_muon(job: Job) -> bool:

@@ -438,7 +438,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     mesh = layout.mesh(device.type)
     tiles = config.trainer.loss_tiles
     model = build_model(config.model, loss_tiles=tiles if tiles > 1 else None)
-    vocabulary_parallel = layout.tp > 1 and tp.loss_parallel(config, model.config.tie_word_embeddings)
+    vocabulary_parallel = layout.tp > 1 and tp.loss_parallel(config)
     if vocabulary_parallel and tiles == 1:
         causal_loss.install(model, 1)  # lmrepo's loss: a plain loss from the split logits, which it never returns
     offload = config.offload.target == OffloadTarget.cpu
