@@ -195,13 +195,7 @@ def prepare_shm() -> None:
     if local != world_size() or not shm.is_dir():
         return
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        mapped = mapped_shm_names()
-        for stale in shm.glob(f"{SHM_PREFIX}{os.getuid()}_*"):
-            # A buffer another job's rank is creating right now is not mapped yet (DeepSpeed writes
-            # its 66 MiB, then maps it by name): only an unmapped one a minute old is left over.
-            with contextlib.suppress(FileNotFoundError):  # its owner may remove it meanwhile
-                if stale.name not in mapped and time.time() - stale.stat().st_mtime > 60:
-                    stale.unlink()
+        remove_stale_shm()
     import shutil
 
     from lmrepo.errors import ConfigError
@@ -214,6 +208,18 @@ def prepare_shm() -> None:
             f"/dev/shm has {free / 2**20:.0f} MiB free; DeepSpeed's CPU all-reduce needs 66 MiB for each "
             f"of this node's {local} ranks: free it, or give the container more (docker run --shm-size=1g)"
         )
+
+
+def remove_stale_shm() -> None:
+    """Removes this user's all-reduce buffers in /dev/shm that no live process maps and that are a
+    minute old: what a run killed with -9 left. A buffer another job's rank is creating right now
+    is not mapped yet (DeepSpeed writes its 66 MiB, then maps it by name), and removing it would
+    leave that job's other ranks waiting for it forever."""
+    mapped = mapped_shm_names()
+    for stale in Path("/dev/shm").glob(f"{SHM_PREFIX}{os.getuid()}_*"):
+        with contextlib.suppress(FileNotFoundError):  # its owner may remove it meanwhile
+            if stale.name not in mapped and time.time() - stale.stat().st_mtime > 60:
+                stale.unlink()
 
 
 def mapped_shm_names() -> set[str]:
@@ -231,10 +237,25 @@ def mapped_shm_names() -> set[str]:
 def release_shm_buffer() -> None:
     """DeepSpeed's CPU all-reduce (shm comm op) leaves its per-rank buffer in /dev/shm, named
     after the master address and port, when the process exits: a machine that runs many jobs
-    fills its shared memory until the OOM killer steps in. Each rank unlinks its own;
-    the mapping stays valid until the process exits."""
-    name = (
+    fills its shared memory until the OOM killer steps in. Each rank unlinks its own; the mapping
+    stays valid until the process exits. Only the file this process maps: the name alone is not
+    its own once its port is free again, and a job that took the port next would wait forever for
+    the buffer a peer made under it."""
+    path = Path(
+        "/dev/shm",
         f"{SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-        f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}"
+        f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}",
     )
-    Path("/dev/shm", name).unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if path.stat().st_ino in mapped_inodes(path):
+            path.unlink()
+
+
+def mapped_inodes(path: Path) -> set[int]:
+    """The inodes of the files at `path` this process maps (/proc/self/maps: address, permissions,
+    offset, device, inode, path)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    return {int(line.split()[4]) for line in lines if line.split()[5:6] == [str(path)]}

@@ -187,16 +187,13 @@ BF16 = ("precision=bf16", "trainer.micro_batch_size=1")
 @pytest.fixture(scope="session", autouse=True)
 def shm_buffers():
     """Runs killed on purpose (kill -9 tests) cannot unlink DeepSpeed's /dev/shm all-reduce
-    buffers themselves: remove what the session left that no live process maps (another
-    pytest worker's runs may still use theirs)."""
-    from lmrepo.launch import mapped_shm_names
+    buffers themselves: at the end, remove those no live process maps, as a run's start does
+    (lmrepo.launch.remove_stale_shm: a minute old, so that the buffers another pytest worker's run
+    is creating right now stay; removing those once hung that run's ranks in DeepSpeed's init)."""
+    from lmrepo.launch import remove_stale_shm
 
-    before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     yield
-    mapped = mapped_shm_names()
-    for leftover in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - before:
-        if leftover.name not in mapped:
-            leftover.unlink(missing_ok=True)
+    remove_stale_shm()
 
 
 def shared_temp(tmp_path_factory) -> Path:
@@ -262,10 +259,18 @@ def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0) -> subproce
     )
 
 
-def wait_for(predicate, proc: subprocess.Popen) -> None:
-    """Until `predicate()` holds; fails with the run's output if the run ends first."""
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 900) -> None:
+    """Until `predicate()` holds; fails with the run's output if the run ends first, or ends it and
+    fails after `timeout` seconds (the bound every launch of the suite has: a hung run fails its
+    test, not the whole suite)."""
+    import signal
+
+    deadline = time.monotonic() + timeout
     while not predicate():
         assert proc.poll() is None, proc.communicate()[0][-3000:]
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"no progress in {timeout:.0f} s: {proc.communicate()[0][-3000:]}")
         time.sleep(0.2)
 
 
