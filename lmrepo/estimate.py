@@ -199,13 +199,13 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
     splits counted 1/tp, the head a vocabulary-parallel loss splits as tensor-parallel rank `tp_rank`
     holds it (rank 0 holds the most where the vocabulary does not divide). One entry per pipeline
     rank (one without a pipeline). `net`: meta_model's."""
-    from lmrepo.engines.fsdp2 import transformer_blocks
+    from lmrepo.engines.fsdp2 import own_plan, transformer_blocks
     from lmrepo.tp import block_tp_plan
 
     split, by_rows = set(), set()
     if layout.tp > 1:
         for block in transformer_blocks(net):
-            for name in block_tp_plan(net):
+            for name in own_plan(block, block_tp_plan(net)):  # a mixture of experts stays whole
                 split.update(id(p) for p in block.get_submodule(name).parameters())
         if tp_plans.loss_parallel(config):  # the head split by vocabulary
             by_rows.update(id(p) for p in net.get_output_embeddings().parameters())

@@ -212,8 +212,8 @@ def print_fsdp2_states(job: Job, net) -> None:
         "  FSDP2 shards fp32 parameters, gradients and Adam's moments at both stages (16 bytes x params / shards);\n"
         "  zero=stage2 (no reshard after forward) also holds the rank's whole share gathered in the compute\n"
         "  precision from forward to backward; zero=stage3 gathers one block at a time (not counted, as for ZeRO-3).\n"
-        "  A pipeline rank holds its stage's layers, tensor parallelism 1/tp of each block's linears, HSDP's\n"
-        "  replicas each a copy of the shards."
+        "  A pipeline rank holds its stage's layers, tensor parallelism 1/tp of each block's linears (a\n"
+        "  mixture of experts' experts whole), HSDP's replicas each a copy of the shards."
     )
 
 
@@ -388,10 +388,9 @@ def main(argv: list[str]) -> None:
         )
     print(f"  largest module (ZeRO-3 gathers it whole)       {largest:>16,}")
     print_model_states(job, params, largest)
-    if cfg.model.family == "mixtral":
+    if cfg.model.family == "mixtral" and cfg.engine.name == "deepspeed":
         print_moe_states(job, params)
-    else:
-        print_fsdp2_states(job, model)
+    print_fsdp2_states(job, model)
     print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))
     print_activations(job, model, checkpointed)
     print_compute(job, params, checkpointed, peak)

@@ -15,7 +15,9 @@ technique claims:
   the gap bf16 rounding makes (BF16 below).
 - moe (expert parallelism) and document masking change the model or the loss: never dropped;
   moe + document masking compares expert_parallel.size=2 with 1 (expert parallelism claims
-  equality).
+  equality). engine=fsdp2 runs the experts without expert parallelism (each sharded over the
+  data-parallel ranks): moe + fsdp2 is FSDP2 with expert_parallel.size=1 against DeepSpeed's
+  ZeRO-1 with 2.
 - compile: a pair with compile is compared with the same pair uncompiled. Where compile meets a
   layout (FSDP2, ZeRO-3, offload, tensor, sequence and expert parallelism) the pair compiles with
   the aot_eager backend: dynamo's capture and AOTAutograd's forward and backward graphs, where the
@@ -108,6 +110,8 @@ def overrides(*axes: str) -> list[str]:
         words.append(f"zero=stage{stage}")
     if "muon" in axes and stages and max(stages) > 0:
         words.append("trainer.grad_clip=0")
+    if "moe" in axes and "fsdp2" in axes:  # FSDP2 shards each expert over its ranks: no expert parallelism
+        words = [w.replace("expert_parallel.size=2", "expert_parallel.size=1") for w in words]
     if "compile" in axes and COMPILED_WITH_AOT_EAGER.intersection(axes):
         words.append("trainer.compile_backend=aot_eager")
     if "moe" in axes:  # the Mixtral of the base's shape: model=... resets the preset's sizes

@@ -155,7 +155,8 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         state.step, state.consumed = state.step + 1, state.consumed + data.layout.global_batch
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
-        norms.append(engine.step_record().get("grad_norm"))
+        record = engine.step_record()
+        norms.append(record.get("grad_norm"))
         if state.step == save_at:
             tag = checkpoint.save(engine, checkpoint_dir, state, to_dict(config), len(tokenizer))
             checkpoint.finish(engine, checkpoint_dir, tag)
@@ -172,6 +173,8 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         "compiled_by": compiled_by(),
         "parameters_held": held,
         "activations_peak": activations,
+        # a mixture of experts' metrics of the last step (the metrics line's)
+        "moe": {key: record[key] for key in ("aux_loss", "expert_tokens") if key in record},
     }
 
 

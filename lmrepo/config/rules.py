@@ -368,13 +368,13 @@ RULES: list[Rule] = [
     # --- mixture of experts (DeepSpeed-MoE)
     Rule(
         ("moe", "fsdp2"),
-        lambda j: on(j, "moe", "fsdp2"),
+        lambda j: on(j, "moe", "fsdp2") and _c(j).expert_parallel.size > 1,
         lambda j: (
-            f"model.family=mixtral runs on DeepSpeed-MoE: choose engine=deepspeed (engine={_c(j).engine.name} "
-            "has no expert parallelism here)"
+            f"expert_parallel.size={_c(j).expert_parallel.size} with engine=fsdp2: FSDP2 shards every expert over "
+            "the data-parallel ranks, with no expert-parallel all-to-all here; choose expert_parallel.size=1, or "
+            "engine=deepspeed (DeepSpeed-MoE's expert groups)"
         ),
         NotYet("expert parallelism on a torch mesh"),
-        pair=True,
     ),
     Rule(
         ("moe", "zero3"),
@@ -407,10 +407,11 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("moe", "autotp"),
-        lambda j: on(j, "moe", "autotp"),
+        lambda j: on(j, "moe", "autotp") and not on(j, "fsdp2"),
         lambda j: (
             "model.family=mixtral with tp=auto: AutoTP does not split DeepSpeed-MoE experts; choose tp=none "
-            "(expert_parallel.size splits the experts)"
+            "(expert_parallel.size splits the experts), or engine=fsdp2 (torch's styles split attention and "
+            "the dense MLPs)"
         ),
         Upstream(DS, "AutoTP's module inspection does not split deepspeed.moe.layer.MoE's experts"),
         pair=True,
@@ -423,16 +424,6 @@ RULES: list[Rule] = [
             "sequence_parallel.size=1"
         ),
         NotYet("the load-balancing loss summed over a sequence-parallel group"),
-        pair=True,
-    ),
-    Rule(
-        ("moe", "tiled_loss"),
-        lambda j: on(j, "moe", "tiled_loss"),
-        lambda j: (
-            f"model.family=mixtral with {_tiles(j)}: the tiled loss does not carry the experts' load-balancing "
-            "loss; set trainer.loss_tiles=1"
-        ),
-        NotYet("the load-balancing loss added to the tiled loss"),
         pair=True,
     ),
     Rule(

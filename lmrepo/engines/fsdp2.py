@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -62,6 +63,7 @@ from lmrepo.engines.layer_files import (
 from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, causal_loss, pipe
+from lmrepo.models.mixtral import moe_record
 from lmrepo.schedules import build_scheduler
 
 CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
@@ -146,7 +148,11 @@ class FSDP2Engine:
         return self.optimizer.param_groups[0]["lr"]
 
     def step_record(self) -> dict:
-        return {"grad_norm": float(self.last_grad_norm)} if self.last_grad_norm is not None else {}
+        record = {"grad_norm": float(self.last_grad_norm)} if self.last_grad_norm is not None else {}
+        # a mixture of experts' aux_loss and expert load, over the ranks that read different
+        # samples (a tp group's ranks route the same tokens)
+        record.update(moe_record(self.module, self.data_group))
+        return record
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
         """As DeepSpeed does: each micro batch's loss divided by the accumulation steps, gradients
@@ -320,7 +326,7 @@ def parallelize_blocks(
     loss_parallel (FSDP2Engine.loss_context)."""
     plan, blocks = tp.block_tp_plan(model), transformer_blocks(model)
     for block in blocks:
-        parallelize_module(block, tp_mesh, block_tp_plan_styles(plan, sequence_parallel))
+        parallelize_module(block, tp_mesh, block_tp_plan_styles(own_plan(block, plan), sequence_parallel))
     if sequence_parallel:
         split_tokens = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
@@ -339,11 +345,20 @@ def _every_token(module, args, output: DTensor) -> torch.Tensor:
     return output.redistribute(placements=[Replicate()]).to_local()
 
 
+def own_plan(block: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entries of `plan` this block has: a Mixtral-style block's MLP is a mixture of experts
+    (its experts stay whole on every tp rank), not the gate, up and down linears of the plan."""
+    names = {name for name, _ in block.named_modules()}
+    return {name: style for name, style in plan.items() if name in names}
+
+
 def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) -> dict:
     """torch's styles for one block's `plan` ({name: "colwise" | "rowwise"}). With
     `sequence_parallel`, for Llama's decoder layer (transformers 5.23: its two norms, attention
     called with hidden_states=..., the MLP with it positionally): the norms on token-split input,
-    attention and the MLP gathering every token, the row-wise linears reduce-scattering to them."""
+    attention and the MLP gathering every token, the row-wise linears reduce-scattering to them. An
+    MLP the plan does not split (a mixture of experts) runs whole on every token, and its output is
+    sliced back to the rank's tokens (no traffic; in backward the tokens' gradients are gathered)."""
     if not sequence_parallel:
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
         return {name: styles[style]() for name, style in plan.items()}
@@ -358,6 +373,15 @@ def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) 
         use_local_output=True,
     )
     gather_mlp = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
+    if not any(name.startswith("mlp.") for name in plan):
+        gather_mlp = PrepareModuleInputOutput(
+            input_layouts=(tokens,),
+            desired_input_layouts=(whole,),
+            use_local_input=True,
+            output_layouts=(whole,),
+            desired_output_layouts=(tokens,),
+            use_local_output=True,
+        )
     return {
         **styles,
         **{norm: SequenceParallel() for norm in tp.SEQUENCE_PARALLEL_NORMS},
@@ -368,7 +392,7 @@ def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) 
 
 def parallelize_block(block: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
     """One block's linears of `plan` ({name: "colwise" | "rowwise"}) split over the tp ranks."""
-    parallelize_module(block, tp_mesh, block_tp_plan_styles(plan))
+    parallelize_module(block, tp_mesh, block_tp_plan_styles(own_plan(block, plan)))
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):

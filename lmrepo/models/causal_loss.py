@@ -70,6 +70,9 @@ def install(model, tiles: int) -> None:
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
         if scored_tokens is None:
             scored_tokens = (shift_labels != IGNORE).sum()
-        return CausalLMOutputWithPast(loss=loss_sum(head, hidden, shift_labels, tiles) / scored_tokens)
+        loss = loss_sum(head, hidden, shift_labels, tiles) / scored_tokens
+        if hasattr(model, "with_aux_loss"):  # a mixture of experts' load-balancing loss (models/mixtral.py)
+            loss = model.with_aux_loss(loss)
+        return CausalLMOutputWithPast(loss=loss)
 
     model.forward = forward

@@ -136,6 +136,9 @@ MoEDecoderLayer.forward = MoEDecoderLayer.forward.__wrapped__
 class MixtralStyleForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM with MoEMLP in every `every`-th block; its loss adds the load-balancing term."""
 
+    # the blocks kept whole when the model is split (engine=fsdp2 shards, splits and compiles by them)
+    _no_split_modules = ["LlamaDecoderLayer", "MoEDecoderLayer"]
+
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
         for index, layer in enumerate(self.model.layers):
@@ -150,21 +153,29 @@ class MixtralStyleForCausalLM(LlamaForCausalLM):
 
     def forward(self, *args, **kwargs):
         output = super().forward(*args, **kwargs)
-        if self.training and output.loss is not None:
-            aux = self.aux_loss_coef * torch.stack([mlp.aux_loss for mlp in self.moe_layers()]).sum()
-            output.loss = output.loss + aux.to(output.loss.dtype)
-            self.last_aux_loss = aux.detach()
+        if output.loss is not None:
+            output.loss = self.with_aux_loss(output.loss)
         return output
+
+    def with_aux_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss optimised, from the language-model `loss` of this forward: in training it adds
+        aux_loss_coef x the MoE layers' load-balancing losses (lmrepo's own loss, which replaces
+        `forward` for the tiled or vocabulary-parallel loss, calls this too)."""
+        if not self.training:
+            return loss
+        aux = self.aux_loss_coef * torch.stack([mlp.aux_loss for mlp in self.moe_layers()]).sum()
+        self.last_aux_loss = aux.detach()
+        return loss + aux.to(loss.dtype)
 
 
 MODEL_CLASS = MixtralStyleForCausalLM
 
 
-def moe_record(model: nn.Module) -> dict:
-    """The metrics-line figures of the last training forward, over every rank (a collective: every
-    rank calls it): the load-balancing term added to the loss, routes per expert summed over the
-    MoE layers, the busiest expert's load over the mean (1 = balanced), and with token dropping the
-    fraction of routes dropped. {} for a dense model."""
+def moe_record(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict:
+    """The metrics-line figures of the last training forward, over the ranks of `group` (default:
+    every rank; a collective: each of them calls it): the load-balancing term added to the loss,
+    routes per expert summed over the MoE layers, the busiest expert's load over the mean (1 =
+    balanced), and with token dropping the fraction of routes dropped. {} for a dense model."""
     if not isinstance(model, MixtralStyleForCausalLM) or model.last_aux_loss is None:
         return {}
     layers = model.moe_layers()
@@ -174,8 +185,8 @@ def moe_record(model: nn.Module) -> dict:
     packed = torch.cat([model.last_aux_loss.double().reshape(1), dropped.reshape(1).to(device), routes.to(device)])
     world = 1
     if dist.is_initialized():
-        world = dist.get_world_size()
-        dist.all_reduce(packed)
+        world = dist.get_world_size(group)
+        dist.all_reduce(packed, group=group)
     aux, dropped, routes = packed[0] / world, packed[1], packed[2:]
     record = {
         "aux_loss": aux.item(),
