@@ -90,7 +90,7 @@ def consolidate(source: str) -> Consolidated:
     model = family.MODEL_CLASS(hf_config)
     if weights_file(directory / tag, 0).is_file():
         weights = pipeline_state_dict(directory / tag, model, model_cfg.family)
-    elif model_cfg.family == "mixtral":
+    elif model_cfg.family == "mixtral" and states.get("engine") != "fsdp2":  # FSDP2's DCP holds the experts too
         weights = moe_state_dict(directory / tag, states)
     else:
         weights = consolidated_state_dict(directory, tag, states, model)

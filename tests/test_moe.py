@@ -1,6 +1,7 @@
 """Mixture of experts (model=mixtral-*, DeepSpeed-MoE): expert-parallel size 2 equals size 1,
 aux_loss and expert load in metrics.jsonl, exact resume after kill -9, the expert-parallel
-layout a checkpoint fixes, export to transformers' Mixtral, evaluate.py and generate.py on it."""
+layout a checkpoint fixes, export to transformers' Mixtral (from DeepSpeed's and from
+engine=fsdp2's checkpoints), evaluate.py and generate.py on it."""
 
 import json
 import subprocess
@@ -27,6 +28,8 @@ MOE = ("model=mixtral-tiny", "model.n_kv_head=2", "model.n_inner=96", "model.moe
 EP2 = (*MOE, "zero=stage2", "expert_parallel.size=2")
 # Token dropping (half an expert's fair share fits) and a constant rate, for the resume test: a
 # killed run of any length continues exactly the run of 10 steps.
+# engine=fsdp2 on a tensor-parallel pair of ranks: the experts whole on each, attention split
+FSDP2_TP = (*MOE, "engine=fsdp2", "zero=stage3", "tp=auto", "tp.size=2")
 DROPPING = ("model.moe.drop_tokens=true", "model.moe.capacity_factor=0.5", "schedule=constant")
 
 
@@ -80,12 +83,19 @@ def test_kill_9_then_resume_is_bit_identical_with_dropping(launch2, tmp_path):
     ), other.stderr[-2000:]
 
 
-def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(launch2, tmp_path):
+@pytest.mark.parametrize("layout, data_ranks", [(EP2, 2), (FSDP2_TP, 1)], ids=["expert-parallel", "fsdp2-tensor"])
+def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(launch2, tmp_path, layout, data_ranks):
+    """DeepSpeed-MoE's checkpoint (one file per expert) and FSDP2's (DCP, attention split over 2
+    tensor-parallel ranks, the experts whole on each) both export to transformers' Mixtral, and
+    evaluate.py and generate.py run on them. The metrics line counted each step's routes once per
+    data-parallel rank: 4 sequences x 32 tokens x top-2 x 2 MoE blocks each (a tp group's ranks
+    route the same tokens)."""
     from transformers import AutoModelForCausalLM, MixtralForCausalLM
 
     from lmrepo.export import consolidate
 
-    run_dir = launch2(*EP2)
+    run_dir = launch2(*layout)
+    assert all(sum(m["expert_tokens"]) == data_ranks * 4 * 32 * 2 * 2 for m in train_lines(run_dir))
     out = tmp_path / "hf"
     proc = subprocess.run(
         [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)], capture_output=True, text=True
