@@ -448,11 +448,11 @@ def test_mixtral_dense_parts_tensor_parallel_on_a_2x2_mesh_equal_fsdp2_over_4_ra
     loss in it: a router that lost that loss's gradient, or an expert's gradient off by the tp
     size, moves the norm far past 1e-6. The metrics line counts the routes of each rank's last
     forward (one sequence) over the ranks that read different samples: 2 here against 4 there, not
-    again on each tensor-parallel rank (which would make them equal)."""
+    again on each tensor-parallel rank (which would make them equal). Its aux_loss, of those last
+    forwards alone, is not compared: the two layouts' last forwards hold other sequences."""
     tensor, flat = four_ranks.runs[MOE_TP_4], four_ranks.runs[MOE_4]
     assert_trains_as(tensor, flat)
     assert 2 * sum(tensor["moe"]["expert_tokens"]) == sum(flat["moe"]["expert_tokens"]) > 0, (tensor, flat)
-    assert tensor["moe"]["aux_loss"] == pytest.approx(flat["moe"]["aux_loss"], rel=1e-4)
 
 
 @pytest.mark.distributed
