@@ -274,19 +274,47 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 900) -> None:
         time.sleep(0.2)
 
 
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of each whole training line a running job has written (its last line may be
+    half written)."""
+    found = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in record:
+            found.append((record["step"], record["loss"]))
+    return found
+
+
 def logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int) -> str:
+def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, steps_after: bool = False) -> str:
     """A 2-rank TINY run killed (SIGKILL to the launcher's process group, as an OOM killer or a lost
-    node ends a job) once `latest` exists and `logged` steps are in its metrics. Returns the
+    node ends a job) once `latest` exists and `logged` lines are in its metrics; with `steps_after`,
+    also once it has logged a step past `latest` that is not a save step (so that no save can
+    complete between the check and the kill and move `latest` past every logged step: `logged`
+    lines alone were reached at a save step once, with its checkpoint's line). Returns the
     checkpoint `latest` names then."""
     import signal
 
+    every = int(next(w for w in reversed(overrides) if w.startswith("trainer.save_every=")).split("=")[1])
+
+    def ready() -> bool:
+        latest = run_dir / "checkpoints" / "latest"
+        if not latest.exists() or logged_steps(run_dir) < logged:
+            return False
+        if not steps_after:
+            return True
+        last = max((step for step, _ in logged_losses(run_dir)), default=0)
+        return last > int(latest.read_text().split("_")[1]) and last % every != 0
+
     proc = popen_train(overrides, run_dir, ranks=2)
-    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists() and logged_steps(run_dir) >= logged, proc)
+    wait_for(ready, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     return (run_dir / "checkpoints" / "latest").read_text()

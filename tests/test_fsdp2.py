@@ -670,7 +670,7 @@ def test_a_tensor_parallel_run_killed_resumes_bit_for_bit(tmp_path):
     Every other layout's resume is bit for bit too (test_every_layout_resumes_bit_for_bit)."""
     run_dir = tmp_path / "run"
     overrides = [*composition.overrides("fsdp2", "autotp"), "trainer.max_steps=400", "trainer.save_every=3"]
-    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8).split("_")[1])
+    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8, steps_after=True).split("_")[1])
     killed = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir) if "loss" in m}
     assert max(killed) > latest, (killed, latest)
     until = max(killed)

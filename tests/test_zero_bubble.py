@@ -124,7 +124,7 @@ def test_zbv_resume_after_kill_9_is_exact(tmp_path):
     killed run's own losses for the steps it had logged after that save."""
     run_dir = tmp_path / "run"
     overrides = [*GPT2, "pipeline=zbv", "trainer.max_steps=400", "trainer.save_every=3", "schedule=constant"]
-    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8).split("_")[1])
+    latest = int(kill_9_after_a_save(overrides, run_dir, logged=8, steps_after=True).split("_")[1])
     killed = {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
     assert max(killed) > latest, (killed, latest)
     resumed = run_train([*TINY, *overrides, f"trainer.max_steps={max(killed)}", "run.resume=auto"], run_dir, ranks=2)
