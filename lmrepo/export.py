@@ -18,12 +18,15 @@ from lmrepo.tokenizer import load_tokenizer
 
 
 def consolidated_state_dict(directory: Path, tag: str, states: dict, model: torch.nn.Module) -> dict:
-    """fp32 weights: FSDP2's DCP shards joined, the (fp32 master) optimizer partitions when the
-    optimizer state is partitioned (ZeRO 1-3, bf16), else the module weights saved whole (ZeRO-0 fp32)."""
+    """fp32 weights: FSDP2's DCP shards joined (a mixture of experts' among them), DeepSpeed-MoE's
+    module and expert files, the (fp32 master) optimizer partitions when the optimizer state is
+    partitioned (ZeRO 1-3, bf16), else the module weights saved whole (ZeRO-0 fp32)."""
     if states.get("engine") == "fsdp2":
         from lmrepo.engines.fsdp2 import load_full_weights
 
         return load_full_weights(directory / tag, model)
+    if isinstance(model, mixtral.MixtralStyleForCausalLM):  # DeepSpeed-MoE: the experts in files of their own
+        return moe_state_dict(directory / tag, states)
     if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
         with safe_load.weights_only_loads(directory / tag):
             return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
@@ -90,8 +93,6 @@ def consolidate(source: str) -> Consolidated:
     model = family.MODEL_CLASS(hf_config)
     if weights_file(directory / tag, 0).is_file():
         weights = pipeline_state_dict(directory / tag, model, model_cfg.family)
-    elif model_cfg.family == "mixtral" and states.get("engine") != "fsdp2":  # FSDP2's DCP holds the experts too
-        weights = moe_state_dict(directory / tag, states)
     else:
         weights = consolidated_state_dict(directory, tag, states, model)
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -224,14 +224,24 @@ def remove_stale_shm() -> None:
 
 def mapped_shm_names() -> set[str]:
     """The /dev/shm buffer names some live process of this user has mapped."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue  # gone, or another user's
-        names.update(line.rsplit("/", 1)[1] for line in text.splitlines() if f"/dev/shm/{SHM_PREFIX}" in line)
-    return names
+    prefix = f"/dev/shm/{SHM_PREFIX}"
+    return {
+        Path(path).name
+        for maps in Path("/proc").glob("[0-9]*/maps")
+        for _, path in mapped_files(maps)
+        if path.startswith(prefix)
+    }
+
+
+def mapped_files(maps: Path) -> list[tuple[int, str]]:
+    """(inode, path) of each file a /proc/PID/maps lists (address, permissions, offset, device,
+    inode, path), not those unlinked since; none where it cannot be read (the process gone, or
+    another user's)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    return [(int(fields[4]), fields[5]) for fields in map(str.split, lines) if len(fields) == 6]
 
 
 def release_shm_buffer() -> None:
@@ -252,10 +262,5 @@ def release_shm_buffer() -> None:
 
 
 def mapped_inodes(path: Path) -> set[int]:
-    """The inodes of the files at `path` this process maps (/proc/self/maps: address, permissions,
-    offset, device, inode, path)."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return set()
-    return {int(line.split()[4]) for line in lines if line.split()[5:6] == [str(path)]}
+    """The inodes of the files at `path` this process maps."""
+    return {inode for inode, mapped in mapped_files(Path("/proc/self/maps")) if mapped == str(path)}

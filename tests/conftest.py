@@ -274,18 +274,18 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 900) -> None:
         time.sleep(0.2)
 
 
-def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, loss) of each whole training line a running job has written (its last line may be
-    half written)."""
-    found = []
+def logged_train_steps(run_dir: Path) -> list[int]:
+    """The step of each whole training line a running job has written (its last line may be half
+    written)."""
+    steps = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
         if "loss" in record:
-            found.append((record["step"], record["loss"]))
-    return found
+            steps.append(record["step"])
+    return steps
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -302,15 +302,14 @@ def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, steps_
     checkpoint `latest` names then."""
     import signal
 
-    every = int(next(w for w in reversed(overrides) if w.startswith("trainer.save_every=")).split("=")[1])
-
     def ready() -> bool:
         latest = run_dir / "checkpoints" / "latest"
         if not latest.exists() or logged_steps(run_dir) < logged:
             return False
         if not steps_after:
             return True
-        last = max((step for step, _ in logged_losses(run_dir)), default=0)
+        every = int(next(w for w in reversed(overrides) if w.startswith("trainer.save_every=")).split("=")[1])
+        last = max(logged_train_steps(run_dir), default=0)
         return last > int(latest.read_text().split("_")[1]) and last % every != 0
 
     proc = popen_train(overrides, run_dir, ranks=2)

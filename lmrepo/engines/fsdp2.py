@@ -372,8 +372,9 @@ def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) 
         desired_input_kwarg_layouts={"hidden_states": whole},
         use_local_output=True,
     )
-    gather_mlp = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
-    if not any(name.startswith("mlp.") for name in plan):
+    if any(name.startswith("mlp.") for name in plan):
+        gather_mlp = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
+    else:  # an MLP left whole: its output sliced back to the rank's tokens
         gather_mlp = PrepareModuleInputOutput(
             input_layouts=(tokens,),
             desired_input_layouts=(whole,),
