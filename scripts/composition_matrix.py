@@ -59,8 +59,10 @@ def page() -> str:
         "- **tested**: allowed, and `tests/test_composition.py::test_pair` runs the two together on 2 CPU ranks "
         "against the run it claims to equal (loss of every step and the gradient norm; fp32, or within bf16 "
         "rounding where bf16 is one of the two). A pair with compile is compared with the same pair uncompiled; "
-        "where compile meets a layout it compiles with the aot_eager backend (dynamo's capture and AOTAutograd's "
-        "graphs, where the layout meets the compiler), elsewhere with inductor (`tests/composition.py` says why).",
+        "each compiled by the backend that reaches where the two meet: aot_eager with a parallel layout "
+        "(dynamo's capture and AOTAutograd's graphs, where the layout meets the compiler), "
+        "aot_eager_decomp_partition with what a block computes (the graphs inductor would get, decomposed and "
+        "partitioned as inductor does, on ATen's kernels), inductor with bf16 (`tests/composition.py` says why).",
         "- **upstream**: refused, because a library refuses it or computes it wrongly (which and where: below).",
         "- **not yet**: refused, because lmrepo has not built it.",
         "- **untested**: allowed but no test runs it.",
@@ -79,8 +81,12 @@ def page() -> str:
             _, kind = composition.reference(a, b)
             dropped = composition.dropped_axis(a, b)
             note = COMPARED[kind].format(dropped=AXES[dropped].label if dropped else "")
-            if "trainer.compile_backend=aot_eager" in composition.overrides(a, b):
-                note += " (compiled with the aot_eager backend)"
+            backend = next(
+                (w.split("=", 1)[1] for w in composition.overrides(a, b) if w.startswith("trainer.compile_backend=")),
+                "inductor" if "compile" in (a, b) else None,
+            )
+            if backend:
+                note += f" (compiled with the {backend} backend)"
             lines.append(f"| {AXES[a].label} + {AXES[b].label} | {note} |")
     lines += [
         "",

@@ -145,11 +145,12 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         state = checkpoint.load(engine, found)
     data = engine_data(config, job.ds_config, engine, sources, tokenizer)
     checkpoint_dir = case_dir(out, words) / "checkpoints"
-    losses, norms = [], []
+    losses, norms, step_seconds = [], [], []
     # What autograd keeps for backward during each step, above what it held before it, counted on
     # each rank of engine=fsdp2's layouts (not under compile: its graphs save their own way)
     saved = SavedActivations() if config.engine.name == "fsdp2" and not config.trainer.compile else None
     while state.step < config.trainer.max_steps:
+        started = time.perf_counter()
         with saved.step() if saved else contextlib.nullcontext():
             loss = engine.train_step(data.train_step(state.consumed)).float().reshape(1)
         state.step, state.consumed = state.step + 1, state.consumed + data.layout.global_batch
@@ -157,6 +158,7 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         losses.append(loss.item() / dist.get_world_size())
         record = engine.step_record()
         norms.append(record.get("grad_norm"))
+        step_seconds.append(round(time.perf_counter() - started, 2))
         if state.step == save_at:
             tag = checkpoint.save(engine, checkpoint_dir, state, to_dict(config), len(tokenizer))
             checkpoint.finish(engine, checkpoint_dir, tag)
@@ -171,6 +173,7 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         "losses": losses,
         "grad_norms": norms,
         "compiled_by": compiled_by(),
+        "step_seconds": step_seconds,  # the first holds its compile
         "parameters_held": held,
         "activations_peak": activations,
         # a mixture of experts' metrics of the last step (the metrics line's)

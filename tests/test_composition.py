@@ -97,10 +97,13 @@ def results(tmp_path_factory, corpus) -> dict:
 
 
 def compiled_by(words: list[str]) -> str:
-    """The backend a case asks torch.compile for (composition.py chooses it), or none."""
+    """What the probe finds compiled a case (composition.py chooses the backend), or none:
+    aot_eager_decomp_partition shows as aot_eager (AOTAutograd without inductor's kernels: dynamo's
+    counters tell no more)."""
     if "trainer.compile=true" not in words:
         return "none"
-    return next((w.split("=", 1)[1] for w in words if w.startswith("trainer.compile_backend=")), "inductor")
+    backend = next((w.split("=", 1)[1] for w in words if w.startswith("trainer.compile_backend=")), "inductor")
+    return "aot_eager" if backend == "aot_eager_decomp_partition" else backend
 
 
 def close(ours: float, theirs: float, rel: float) -> bool:

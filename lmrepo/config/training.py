@@ -115,6 +115,7 @@ class DeviceChoice(StrEnum):
 class CompileBackend(StrEnum):
     inductor = "inductor"
     aot_eager = "aot_eager"
+    aot_eager_decomp_partition = "aot_eager_decomp_partition"
     eager = "eager"
 
 
@@ -148,7 +149,9 @@ class TrainerConfig:
     """torch.compile the model (the first step compiles); null = on a GPU for layouts it suits, CPU off"""
     compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile's backend: inductor (generated kernels) | aot_eager (the traced forward and backward run on
-    ATen's kernels: for finding whether a problem is inductor's) | eager (the traced forward only)"""
+    ATen's kernels: for finding whether a problem is inductor's) | aot_eager_decomp_partition (inductor's graphs,
+    decomposed and partitioned as inductor does, on ATen's kernels: whether it is inductor's kernels) | eager (the
+    traced forward only)"""
     loss_tiles: int = 1
     """causal LMs: the LM head and loss in this many chunks of the sequence, logits recomputed in backward; 1 = off"""
 
