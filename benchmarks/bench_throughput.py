@@ -5,7 +5,8 @@ for throughput. Every arm trains the same model (train.py's preset and seed) on 
 - R0, the hand-tuned loop: the transformers model train.py builds (GPT-2 with the fused GELU),
   fp32 weights, bf16 autocast (when the job is bf16), torch.compile'd, torch's fused AdamW,
   clipping on the device, every batch on the device before the clock starts, nothing read back
-  until the timing window ends. Run first and last: the two say how much the machine drifted.
+  until the timing window ends; on a CPU, glibc's malloc keeping freed memory as train.py's does
+  (lmrepo.cpu_malloc). Run first and last: the two say how much the machine drifted.
 - R1, the DeepSpeed tutorials' bare loop (`engine(**batch).loss; engine.backward(loss);
   engine.step()`) on the DeepSpeed engine and config train.py builds.
 - train.py's arms: `python train.py` itself (in the worker process, unchanged) as shipped and
@@ -206,6 +207,10 @@ def run_r0(spec: dict) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cpu":  # tuned on a CPU as train.py is: freed memory kept for the next step
+        from lmrepo import cpu_malloc
+
+        cpu_malloc.keep_freed_memory()
     model = common.model_of(spec).to(device)
     opt = spec["optimizer"]
     groups = param_groups(model, opt["weight_decay"])
