@@ -65,10 +65,6 @@ def launch(cases: list[list[str]], workdir: Path) -> dict:
     return {"wall_s": wall, "cases": json.loads((workdir / "results.json").read_text())}
 
 
-def with_backend(words: list[str], backend: str) -> list[str]:
-    return [*(w for w in words if not w.startswith("trainer.compile_backend=")), f"trainer.compile_backend={backend}"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_save_flag(parser)
@@ -81,7 +77,7 @@ def main() -> None:
         data = composition.short_documents(tmp / "paragraphs.jsonl")
 
         chosen = [[*composition.overrides("compile", axis), *data] for axis in BLOCK_LEVEL]
-        inductor = [with_backend(words, "inductor") for words in chosen]
+        inductor = [[*words, "trainer.compile_backend=inductor"] for words in chosen]
         runs = {"inductor": launch(inductor, tmp / "inductor"), "suite": launch(chosen, tmp / "suite")}
         report.print(
             "#### The block-level pairs of compile, by backend\n\n"
@@ -93,7 +89,7 @@ def main() -> None:
         for axis, ours, theirs in zip(BLOCK_LEVEL, chosen, inductor):
             slow = runs["inductor"]["cases"][composition.case_name(theirs)]
             fast = runs["suite"]["cases"][composition.case_name(ours)]
-            backend = next((w.split("=", 1)[1] for w in ours if w.startswith("trainer.compile_backend=")), "inductor")
+            backend = composition.compile_backend("compile", axis)
             figures["block_level"][axis] = {"inductor": slow, "suite": fast, "suite_backend": backend}
             report.print(
                 f"| compile + {axis} | {slow['seconds']:.1f} ({slow['step_seconds'][0]:.1f}) "
@@ -106,21 +102,22 @@ def main() -> None:
             f"| {totals['inductor'] / totals['suite']:.1f}x |\n"
         )
 
-        cases = composition.matrix_cases(composition.allowed_pairs(), data)
+        allowed = composition.allowed_pairs()
+        cases = composition.matrix_cases(allowed, data)
         matrix = launch(cases, tmp / "matrix")
         by_kind: dict[str, list[float]] = {}
         for result in matrix["cases"].values():
             by_kind.setdefault(result.get("compiled_by", "refused or broken"), []).append(result["seconds"])
         in_cases = sum(sum(seconds) for seconds in by_kind.values())
         figures["matrix"] = {
-            "pairs": len(composition.allowed_pairs()),
+            "pairs": len(allowed),
             "cases": len(cases),
             "wall_s": matrix["wall_s"],
             "by_kind": {kind: {"cases": len(s), "seconds": sum(s)} for kind, s in by_kind.items()},
             "results": matrix["cases"],
         }
         report.print(
-            f"#### The whole matrix, one 2-rank launch\n\n{len(composition.allowed_pairs())} allowed pairs, "
+            f"#### The whole matrix, one 2-rank launch\n\n{len(allowed)} allowed pairs, "
             f"{len(cases)} cases (each pair and its reference, once each), from an empty inductor cache: "
             f"**{matrix['wall_s']:.0f} s**.\n\n"
             "| cases compiled by | cases | seconds | per case |\n| --- | ---: | ---: | ---: |"

@@ -81,12 +81,8 @@ def page() -> str:
             _, kind = composition.reference(a, b)
             dropped = composition.dropped_axis(a, b)
             note = COMPARED[kind].format(dropped=AXES[dropped].label if dropped else "")
-            backend = next(
-                (w.split("=", 1)[1] for w in composition.overrides(a, b) if w.startswith("trainer.compile_backend=")),
-                "inductor" if "compile" in (a, b) else None,
-            )
-            if backend:
-                note += f" (compiled with the {backend} backend)"
+            if composition.compile_backend(a, b):
+                note += f" (compiled with the {composition.compile_backend(a, b)} backend)"
             lines.append(f"| {AXES[a].label} + {AXES[b].label} | {note} |")
     lines += [
         "",

@@ -122,6 +122,13 @@ EQUAL = {
 }
 
 
+def compile_backend(*axes: str) -> str | None:
+    """The backend a case with compile among its axes compiles with (COMPILE_BACKEND), else None."""
+    if "compile" not in axes:
+        return None
+    return next((COMPILE_BACKEND[axis] for axis in axes if axis in COMPILE_BACKEND), "inductor")
+
+
 def overrides(*axes: str) -> list[str]:
     """BASE with each axis turned on; the ZeRO stage is the highest any of them asks for (at most 1
     with DeepSpeed's pipeline), and Muon
@@ -139,9 +146,8 @@ def overrides(*axes: str) -> list[str]:
         words.append("trainer.grad_clip=0")
     if "moe" in axes and "fsdp2" in axes:  # FSDP2 shards each expert over its ranks: no expert parallelism
         words = [w.replace("expert_parallel.size=2", "expert_parallel.size=1") for w in words]
-    backend = next((COMPILE_BACKEND[axis] for axis in axes if axis in COMPILE_BACKEND), "inductor")
-    if "compile" in axes and backend != "inductor":
-        words.append(f"trainer.compile_backend={backend}")
+    if compile_backend(*axes) not in (None, "inductor"):  # inductor is trainer.compile_backend's default
+        words.append(f"trainer.compile_backend={compile_backend(*axes)}")
     if "moe" in axes:  # the Mixtral of the base's shape: model=... resets the preset's sizes
         words = [w for w in words if w != "model=mixtral-tiny"]
         return ["model=mixtral-tiny", *[w for w in BASE if w != "model=llama-tiny"], *words]

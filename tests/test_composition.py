@@ -59,7 +59,7 @@ def corpus(tmp_path_factory) -> list[str]:
 def results(tmp_path_factory, corpus) -> dict:
     """One launch on 2 ranks runs every allowed pair and every reference, on the short documents."""
     out = tmp_path_factory.mktemp("composition")
-    cases = composition.matrix_cases(composition.allowed_pairs(), corpus)
+    cases = composition.matrix_cases(ALLOWED, corpus)
     cases_file = out / "cases.json"
     cases_file.write_text(json.dumps(cases))
     proc = subprocess.run(
