@@ -4,6 +4,7 @@ training loop reads nothing back on a step that does not log, and the throughput
 (benchmarks/bench_throughput.py) runs end to end at a smoke size."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -142,3 +143,53 @@ def test_a_step_that_does_not_log_reads_at_most_one_value_back(ruler):
     for arm in ("ds-z0", "fsdp2"):
         assert results[arm]["syncs_max"] <= 1, arm
         assert results[arm]["syncs_log_step"] > results[arm]["syncs_max"], arm
+
+
+def test_the_overflow_check_without_zero_reads_once_and_answers_as_deepspeeds():
+    """lmrepo.engines.deepspeed.read_overflow_once: DeepSpeed's check before an fp16 or bf16 step
+    without ZeRO, each gradient tested on the device and the answers read back once (DeepSpeed reads
+    each), gives DeepSpeed's answer for every placement of a non-finite value."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.utils import CheckOverflow
+
+    from lmrepo.engines.deepspeed import read_overflow_once
+    from lmrepo.host_syncs import ValueReads
+
+    def params(bad_at: int | None, bad: float, missing_grad: int | None = None) -> list:
+        out = []
+        for i in range(30):
+            p = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))
+            p.grad = None if i == missing_grad else torch.randn(4, 3, dtype=torch.bfloat16)
+            if i == bad_at:
+                p.grad[1, 2] = bad
+            out.append(p)
+        return out
+
+    cases = [params(None, 0.0), params(None, 0.0, missing_grad=0), params(0, math.nan), params(29, math.inf)]
+    cases += [params(13, -math.inf, missing_grad=12), params(None, 0.0, missing_grad=29), []]
+    checker = CheckOverflow()
+    read_overflow_once(SimpleNamespace(overflow_checker=checker))
+    for case in cases:
+        with ValueReads() as reads:
+            answer = checker.has_overflow_serial(case)
+        assert answer is CheckOverflow.has_overflow_serial(CheckOverflow(), case)
+        assert reads.count <= 1
+    assert [checker.has_overflow_serial(case) for case in cases] == [False, False, True, True, True, False, False]
+
+
+def test_deepspeeds_bf16_step_without_zero_reads_a_few_values_not_one_per_gradient(tmp_path):
+    """train.py in bf16 at ZeRO-0 (the GPU's default job), 2-layer GPT-2 with 28 gradients: a step
+    that does not log reads 7 values (measured), none of them per gradient: the overflow check's
+    answer (2: lmrepo's combined read and DeepSpeed's reduced flag), the gradient norm of each of
+    the two parameter groups (2 each, DeepSpeed's get_weight_norm) and transformers' mask check
+    (1). DeepSpeed's own check read 28 more."""
+    import subprocess
+
+    command = [PYTHON, str(REPO / "benchmarks" / "bench_throughput.py"), "--quick", "--arms", "ds-z0"]
+    proc = subprocess.run(
+        [*command, "--out", str(tmp_path), "precision=bf16"], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads((tmp_path / "ds-z0.result.json").read_text())
+    assert figures["syncs_max"] <= 7
