@@ -18,7 +18,7 @@ then the root). What the groups mean here:
   tp group; the embeddings always do.
 - checkpointing=full|every_n: the blocks recompute with torch.utils.checkpoint (non-reentrant).
 - trainer.compile: each block torch.compile'd before it is sharded.
-- optimizer, schedule, trainer.grad_clip: torch's Adam/AdamW with lmrepo's parameter groups,
+- optimizer, schedule, trainer.grad_clip: torch's fused Adam/AdamW with lmrepo's parameter groups,
   DeepSpeed's own LR scheduler classes (the `scheduler` section lmrepo builds), the global norm
   clipped over every shard of every mesh dimension.
 - checkpoints: torch.distributed.checkpoint (DCP), one file per rank, resharded on load to any
@@ -50,7 +50,7 @@ from torch.distributed.tensor.parallel import (
 from lmrepo import safe_load, tp
 from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, TrainConfig
 from lmrepo.device import isolate_compile_cache
-from lmrepo.engines.base import TORCH_OPTIMIZERS, to_device
+from lmrepo.engines.base import to_device, torch_optimizer
 from lmrepo.engines.deepspeed import param_groups
 from lmrepo.engines.layer_files import CLIENT_KEYS as PIPELINE_CLIENT_KEYS
 from lmrepo.engines.layer_files import (
@@ -122,9 +122,7 @@ class FSDP2Engine:
         # The root holds the embeddings, the final norm and the (tied) LM head.
         self.module = fully_shard(model, **policy)
         groups = param_groups(self.module, optimizer.weight_decay)
-        self.optimizer = TORCH_OPTIMIZERS[optimizer.name](
-            groups, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps
-        )
+        self.optimizer = torch_optimizer(groups, optimizer)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
         self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
         self.grad_clip, self.micro_batches = grad_clip, micro_batches

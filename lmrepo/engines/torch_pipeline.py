@@ -14,7 +14,7 @@ wherever they exist, so both paths train the same model the same way:
 - the step: gradients averaged over the micro-batches (each parameter once) and the
   data-parallel replicas, the tied embedding's gradient summed between its first- and
   last-stage copies, the global gradient norm clipped (the tied weight counted once, as in
-  the unsplit model), torch's AdamW / Adam with lmrepo's parameter groups, DeepSpeed's LR scheduler class;
+  the unsplit model), torch's fused AdamW / Adam with lmrepo's parameter groups, DeepSpeed's LR scheduler class;
 - precision: fp32, or bf16 as torch.autocast (fp32 weights, gradients and optimizer state;
   matmuls in bf16). DeepSpeed's bf16 keeps bf16 weights with fp32 masters instead: the two agree
   to bf16 rounding, not bit for bit;
@@ -73,7 +73,7 @@ from torch.distributed.tensor import DTensor
 from lmrepo import safe_load
 from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES
-from lmrepo.engines.base import TORCH_OPTIMIZERS, pipeline_inputs
+from lmrepo.engines.base import pipeline_inputs, torch_optimizer
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
 from lmrepo.engines.fsdp2 import (
     by_mesh,
@@ -317,12 +317,7 @@ class TorchPipelineEngine:
         )
 
         self.tied = self._tied_groups()
-        self.optimizer = TORCH_OPTIMIZERS[optimizer.name](
-            param_groups(self.chunks, optimizer.weight_decay),
-            lr=optimizer.lr,
-            betas=tuple(optimizer.betas),
-            eps=optimizer.eps,
-        )
+        self.optimizer = torch_optimizer(param_groups(self.chunks, optimizer.weight_decay), optimizer)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
         self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
         self.gradient_clipping, self.bf16 = grad_clip, bf16
