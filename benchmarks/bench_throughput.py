@@ -21,6 +21,7 @@ tensor values on a CPU), counted over steps after the timed ones.
 
     python benchmarks/bench_throughput.py          # GPU: GPT-2 124M, bf16, 8 x 1024, then the largest micro batch
     python benchmarks/bench_throughput.py --quick  # smoke: a 2 x 64 GPT-2, fp32, eager, 10 steps (~1 min)
+    python benchmarks/bench_throughput.py --host   # the host's work per step, on the CPU (~2 min)
     python benchmarks/bench_throughput.py --save   # also writes benchmarks/results/bench_throughput_*
     python benchmarks/bench_throughput.py --arms R0,ds-z0 model.n_layer=6   # some arms; train.py overrides
 
@@ -28,6 +29,12 @@ On a CPU without --quick: the default job (gpt2-tiny, precision=auto, 8 x 128), 
 bf16-autocast arm only where the CPU computes bf16 natively (elsewhere each bf16 matmul takes a
 slow path, ~70x fp32, and the arm measures that). Exit 0 when every arm ran, 1 when one failed or
 ran out of --budget (its reason printed).
+
+--host measures, on the CPU, what a GPU step at a small micro batch is mostly made of: the host's
+work per step (Python, torch's dispatch, DeepSpeed's and FSDP2's hooks, the optimizer's loops). The
+model has GPT-2 124M's 12 layers at width 64 and reads 1 x 16 tokens, so a step computes almost
+nothing; every arm is eager. CUDA's own launch costs are not in it, and torch's optimizers pick
+another implementation on a CPU than on a GPU where lmrepo does not choose one.
 """
 
 import argparse
@@ -54,6 +61,17 @@ QUICK_JOB = [
     "model.n_embd=64",
     "data.block_size=32",
     "trainer.micro_batch_size=2",
+    "precision=fp32",
+    "trainer.compile=false",
+]
+# --host: GPT-2 124M's depth (its 148 parameters, its operations per step) at width 64 and 1 x 16
+# tokens, so that a step computes almost nothing and its time is the host's work per step.
+HOST_JOB = [
+    "model.n_layer=12",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "data.block_size=16",
+    "trainer.micro_batch_size=1",
     "precision=fp32",
     "trainer.compile=false",
 ]
@@ -85,6 +103,7 @@ ARMS = [
 ]
 # The smoke run: one arm of each kind, eager.
 QUICK_ARMS = ("R0", "ds-z0", "fsdp2", "R1")
+HOST_ARMS = ("R0", "ds-z0", "fsdp2", "R1", "ds-z3", "R0-last")
 # At the largest micro batch: the ruler and the two defaults.
 LARGE_ARMS = ("R0", "ds-z0", "fsdp2")
 # The order the arms run in: what the figure needs first (R0, the defaults, the large micro batch),
@@ -109,9 +128,12 @@ RUN_ORDER = [
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, fp32, eager, few steps: a smoke run")
+    parser.add_argument(
+        "--host", action="store_true", help="on the CPU, a model too narrow to compute: the host's work per step"
+    )
     parser.add_argument("--arms", help="comma-separated arm names (default: all)")
     parser.add_argument("--warmup", type=int, help="steps before timing (GPU 10, CPU 5, quick 2)")
-    parser.add_argument("--steps", type=int, help="timed steps (GPU 60, CPU 20, quick 4)")
+    parser.add_argument("--steps", type=int, help="timed steps (GPU 60, CPU 20, host 40, quick 4)")
     parser.add_argument("--count-steps", type=int, help="steps whose host syncs are counted, after the timed ones")
     parser.add_argument("--large", default="auto", help="the large micro batch: auto (fills 80%% of the GPU) | N | 0")
     parser.add_argument("--budget", type=float, default=0, help="seconds for all arms (0: no limit)")
@@ -326,26 +348,29 @@ class Ruler:
     def __init__(self, args: argparse.Namespace, overrides: list[str]):
         import torch
 
-        self.args, self.quick = args, args.quick
-        self.cuda = torch.cuda.is_available() and not self.quick
-        defaults = (2, 4, 4) if self.quick else (10, 60, 10) if self.cuda else (5, 20, 10)
+        self.args, self.quick, self.host = args, args.quick, args.host
+        self.mode = "quick" if self.quick else "host" if self.host else "full"
+        self.eager = self.quick or self.host  # every arm: a compile costs ~30 s on 2 cores
+        self.cuda = torch.cuda.is_available() and not self.eager
+        defaults = (2, 4, 4) if self.quick else (5, 40, 4) if self.host else (10, 60, 10) if self.cuda else (5, 20, 10)
         self.warmup = args.warmup or defaults[0]
         self.steps = args.steps or defaults[1]
         self.count_steps = args.count_steps if args.count_steps is not None else defaults[2]
         self.log_every = 2 if self.quick else 10
-        base = QUICK_JOB if self.quick else GPU_JOB if self.cuda else []
+        base = QUICK_JOB if self.quick else HOST_JOB if self.host else GPU_JOB if self.cuda else []
         self.job = [*base, *overrides]
         self.out = Path(args.out or tempfile.mkdtemp(prefix="lmrepo-ruler-")).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
         self.deadline = time.monotonic() + args.budget if args.budget else math.inf
-        wanted = args.arms.split(",") if args.arms else list(QUICK_ARMS) if self.quick else [n for n, *_ in ARMS]
+        arms = QUICK_ARMS if self.quick else HOST_ARMS if self.host else [n for n, *_ in ARMS]
+        wanted = args.arms.split(",") if args.arms else list(arms)
         unknown = set(wanted) - {name for name, *_ in ARMS}
         if unknown:
             raise SystemExit(
                 f"bench_throughput: no arm {', '.join(sorted(unknown))}: choose from "
                 + ", ".join(name for name, *_ in ARMS)
             )
-        if not args.arms and not self.cuda and not self.quick:
+        if not args.arms and not self.cuda and not self.eager:
             from lmrepo.device import cpu_native_bf16
 
             if not cpu_native_bf16():
@@ -420,10 +445,10 @@ class Ruler:
             self.log(f"{label}: skipped (out of budget)")
             return None
         job, job_plan = self.plan(micro_batch)
-        if self.quick:  # the smoke run stays eager: a compile costs ~30 s on 2 cores
+        if self.eager:
             overrides = [o for o in overrides if o != "trainer.compile=true"]
         job = [*job, *overrides]
-        spec = self.spec(label, job, job_plan.ds_config, compile_r0=not self.quick)
+        spec = self.spec(label, job, job_plan.ds_config, compile_r0=not self.eager)
         result = self.out / f"{label}.result.json"
         log = self.out / f"{label}.log"
         self.log(f"{label}: {kind} {' '.join(overrides)}")
@@ -533,7 +558,8 @@ class Ruler:
         report.print(f"## Throughput against the hand-tuned loop R0 ({device})")
         report.print("")
         report.print(
-            f"Job: `{' '.join(self.base_job)}`; {self.warmup} warm-up steps, {self.steps} timed, "
+            f"Job: `{' '.join(self.base_job)}`{', every arm eager' if self.eager else ''}; "
+            f"{self.warmup} warm-up steps, {self.steps} timed, "
             f"{self.count_steps} counted (host syncs: {counter} per step, median of the steps that do "
             "not log; a logging step's in brackets)."
         )
@@ -573,8 +599,9 @@ def main() -> None:
         run_worker(args)
         return
     ruler = Ruler(args, overrides)
-    report = Report(__file__, device="auto" if ruler.cuda else "cpu")
-    report.print(f"# bench_throughput ({'quick' if ruler.quick else 'full'})")
+    name = "bench_throughput_host" if ruler.host else None
+    report = Report(__file__, device="auto" if ruler.cuda else "cpu", name=name)
+    report.print(f"# bench_throughput ({ruler.mode})")
     ruler.run()
     figures = ruler.report(report)
     report.save(args.save, figures)

@@ -263,10 +263,11 @@ class Report:
     benchmarks/results/<benchmark>_<machine>_<yyyy-mm>.md (a provenance header, then what was
     printed) and .json (the provenance and the raw figures) when --save was given. Created when the
     benchmark starts: the date, the command and the first load average are the start's. `device`
-    "cpu" names the file after the CPU even where a GPU is visible (a benchmark of the CPU)."""
+    "cpu" names the file after the CPU even where a GPU is visible (a benchmark of the CPU); `name`
+    replaces the script's name in the file's (one script, two kinds of measurement)."""
 
-    def __init__(self, script: str, device: str = "auto"):
-        self.benchmark = Path(script).stem
+    def __init__(self, script: str, device: str = "auto", name: str | None = None):
+        self.benchmark = name or Path(script).stem
         self.lines: list[str] = []
         cpu = cpu_info()
         gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
