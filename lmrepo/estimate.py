@@ -199,7 +199,8 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
     splits counted 1/tp, the head a vocabulary-parallel loss splits as tensor-parallel rank `tp_rank`
     holds it (rank 0 holds the most where the vocabulary does not divide). One entry per pipeline
     rank (one without a pipeline). `net`: meta_model's."""
-    from lmrepo.engines.fsdp2 import own_plan, transformer_blocks
+    from lmrepo.engines.fsdp2 import own_plan
+    from lmrepo.models import transformer_blocks
     from lmrepo.tp import block_tp_plan
 
     split, by_rows = set(), set()
@@ -361,9 +362,8 @@ def counted_activations(
     ones (the torch pipeline; the CPU's autocast lists, which differ a little from CUDA's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lmrepo.engines.fsdp2 import transformer_blocks
     from lmrepo.engines.torch_pipeline import build_layer
-    from lmrepo.models import causal_loss, pipe
+    from lmrepo.models import causal_loss, pipe, transformer_blocks
     from lmrepo.saved_activations import SavedActivations
 
     if model_cfg.family == "mixtral":

@@ -274,9 +274,8 @@ def test_activations_counted_on_fake_tensors_are_a_real_forwards(family):
     the same forward on fake tensors, to the byte: block by block, before and after the blocks."""
     import torch
 
-    from lmrepo.engines.fsdp2 import transformer_blocks
     from lmrepo.engines.torch_pipeline import build_layer
-    from lmrepo.models import build_model, pipe
+    from lmrepo.models import build_model, pipe, transformer_blocks
     from lmrepo.saved_activations import SavedActivations
 
     config = load_config([*family, *SMALL, "precision=fp32"])

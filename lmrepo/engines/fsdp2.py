@@ -62,18 +62,11 @@ from lmrepo.engines.layer_files import (
 )
 from lmrepo.errors import ConfigError
 from lmrepo.layout import ParallelLayout
-from lmrepo.models import build_model, causal_loss, pipe
+from lmrepo.models import build_model, causal_loss, pipe, transformer_blocks
 from lmrepo.models.mixtral import moe_record
 from lmrepo.schedules import build_scheduler
 
 CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
-
-
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks transformers itself keeps whole when it splits a model (`_no_split_modules`):
-    GPT2Block, LlamaDecoderLayer, BertLayer."""
-    names = set(model._no_split_modules or ())
-    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 class FSDP2Engine:

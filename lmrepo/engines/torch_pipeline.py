@@ -81,7 +81,6 @@ from lmrepo.engines.fsdp2 import (
     float64_norm,
     global_grad_norm,
     parallelize_block,
-    transformer_blocks,
 )
 from lmrepo.engines.layer_files import (
     CLIENT_KEYS,
@@ -96,7 +95,7 @@ from lmrepo.engines.layer_files import (
 )
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
 from lmrepo.layout import ParallelLayout
-from lmrepo.models import build_model, pipe
+from lmrepo.models import build_model, pipe, transformer_blocks
 from lmrepo.models.pipe import is_tied_copy
 from lmrepo.schedules import build_scheduler
 

@@ -2,6 +2,7 @@
 
 from types import ModuleType
 
+import torch
 from transformers import PreTrainedModel
 
 from lmrepo.models import bert, causal_loss, gpt2, llama, mixtral
@@ -30,3 +31,10 @@ def build_model(model, loss_tiles: int | None = None, expert_parallel_size: int 
     if loss_tiles is not None:
         causal_loss.install(net, loss_tiles)
     return net.train()  # from_pretrained returns a model in eval mode
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks transformers itself keeps whole when it splits a model (`_no_split_modules`):
+    GPT2Block, LlamaDecoderLayer, BertLayer."""
+    names = set(model._no_split_modules or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
