@@ -80,7 +80,7 @@ TRAIN_KEYS = ["logger=jsonl", "trainer.eval_every=0", "trainer.eval_batches=1", 
 
 # (name, kind, train.py overrides of the arm, what it is). Kinds: r0, r1 (bare loops), train.
 ARMS = [
-    ("R0", "r0", [], "hand-tuned loop: compiled (eager in --quick), fused AdamW, nothing read back"),
+    ("R0", "r0", [], "hand-tuned loop: compiled (eager in --quick and --host), fused AdamW, nothing read back"),
     ("ds-z0", "train", [], "train.py as shipped (DeepSpeed ZeRO-0; trainer.compile=null)"),
     ("fsdp2", "train", ["engine=fsdp2", "trainer.compile=true"], "train.py engine=fsdp2 (ZeRO-3-like), compiled"),
     ("R1", "r1", [], "bare DeepSpeed loop (the tutorials'), ZeRO-0, eager"),
@@ -558,7 +558,7 @@ class Ruler:
         report.print(f"## Throughput against the hand-tuned loop R0 ({device})")
         report.print("")
         report.print(
-            f"Job: `{' '.join(self.base_job)}`{', every arm eager' if self.eager else ''}; "
+            f"Job: `{' '.join(self.base_job)}`{', every arm eager (compile overrides dropped)' if self.eager else ''}; "
             f"{self.warmup} warm-up steps, {self.steps} timed, "
             f"{self.count_steps} counted (host syncs: {counter} per step, median of the steps that do "
             "not log; a logging step's in brackets)."

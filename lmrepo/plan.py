@@ -77,9 +77,12 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
             "splits the model"
         )
     if dp_size == 1 and config.zero.stage > 0 and config.offload.target == "none" and config.tp.mode == "none":
+        sharding, unsharded = f"zero=stage{config.zero.stage}", "zero=stage0"
+        if config.engine.name == "fsdp2":
+            sharding, unsharded = "engine=fsdp2", "engine=deepspeed zero=stage0"
         notes.append(
-            f"lmrepo: note: zero=stage{config.zero.stage} over 1 data-parallel rank partitions nothing: it saves no "
-            "memory and costs its bookkeeping (zero=stage0 trains the same model faster; offload=cpu saves memory)"
+            f"lmrepo: note: {sharding} over 1 data-parallel rank partitions nothing: it saves no memory and costs "
+            f"its bookkeeping ({unsharded} trains the same model faster; offload=cpu saves memory)"
         )
     if config.deepspeed_config:
         user = UserConfig(config.deepspeed_config)
