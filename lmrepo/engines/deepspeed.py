@@ -109,8 +109,9 @@ def fetch_blocks_whole(model: torch.nn.Module, ds_config: dict) -> None:
     some, and runs them in Python: 6 modules in each GPT-2 block (two norms, four linears). Marked as
     DeepSpeed leaf modules, the transformer blocks are fetched whole, from one pre-forward and one
     pre-backward hook each (FSDP2's unit, and the same all-gathered values): on a CPU, GPT-2 124M's
-    depth at width 64 (`bench_throughput.py --host`) takes about 0.7x the time per step. Not where parameters are swapped from NVMe: its `offload.buffer_count` buffers
-    hold that many parameters at once, fewer than a block has."""
+    depth at width 64 (`bench_throughput.py --host`) takes about 0.7x the time per step. Not where
+    parameters are swapped from NVMe: its `offload.buffer_count` buffers hold that many parameters
+    at once, fewer than a block has."""
     zero = ds_config.get("zero_optimization", {})
     if zero.get("stage") != 3 or zero.get("offload_param", {}).get("device") == "nvme":
         return
