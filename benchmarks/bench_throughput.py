@@ -55,26 +55,12 @@ from common import REPO, Report, add_save_flag
 PYTHON = sys.executable
 PYTHONPATH = os.environ.get("PYTHONPATH")  # the workers' too (a GPU machine's carried packages are on it)
 GPU_JOB = ["model=gpt2", "data.block_size=1024", "trainer.micro_batch_size=8", "precision=bf16"]
-QUICK_JOB = [
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=64",
-    "data.block_size=32",
-    "trainer.micro_batch_size=2",
-    "precision=fp32",
-    "trainer.compile=false",
-]
+# The two CPU sizes share a narrow GPT-2 in fp32, eager.
+NARROW_EAGER = ["model.n_head=2", "model.n_embd=64", "precision=fp32", "trainer.compile=false"]
+QUICK_JOB = ["model.n_layer=2", *NARROW_EAGER, "data.block_size=32", "trainer.micro_batch_size=2"]
 # --host: GPT-2 124M's depth (its 148 parameters, its operations per step) at width 64 and 1 x 16
 # tokens, so that a step computes almost nothing and its time is the host's work per step.
-HOST_JOB = [
-    "model.n_layer=12",
-    "model.n_head=2",
-    "model.n_embd=64",
-    "data.block_size=16",
-    "trainer.micro_batch_size=1",
-    "precision=fp32",
-    "trainer.compile=false",
-]
+HOST_JOB = ["model.n_layer=12", *NARROW_EAGER, "data.block_size=16", "trainer.micro_batch_size=1"]
 # Every train.py arm: metrics at the logging interval as shipped, one evaluation batch at the end.
 TRAIN_KEYS = ["logger=jsonl", "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.save_every=0"]
 
