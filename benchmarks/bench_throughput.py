@@ -343,6 +343,11 @@ class Ruler:
         self.steps = args.steps or defaults[1]
         self.count_steps = args.count_steps if args.count_steps is not None else defaults[2]
         self.log_every = 2 if self.quick else 10
+        if self.fixed_step() <= max(self.warmup, 1):  # train.py's arms are timed over whole logging windows
+            raise SystemExit(
+                f"bench_throughput: no logging window of {self.log_every} steps ends inside the {self.steps} timed "
+                f"steps after {self.warmup} warm-up: choose --steps {self.log_every} or more"
+            )
         base = QUICK_JOB if self.quick else HOST_JOB if self.host else GPU_JOB if self.cuda else []
         self.job = [*base, *overrides]
         self.out = Path(args.out or tempfile.mkdtemp(prefix="lmrepo-ruler-")).resolve()
