@@ -215,3 +215,60 @@ def test_deepspeeds_bf16_step_without_zero_reads_a_few_values_not_one_per_gradie
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((tmp_path / "ds-z0.result.json").read_text())
     assert figures["syncs_max"] <= 7
+
+
+# One process, DeepSpeed's engine as lmrepo builds it, 3 steps of 2 micro batches of a tiny GPT-2:
+# each case once as built and once with DeepSpeed's gradient all-reduce turned back on.
+ONE_PROCESS_STEPS = """
+import json, os, sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from lmrepo.engines.deepspeed import initialize
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+batches = torch.randint(0, 128, (6, 2, 16), generator=torch.Generator().manual_seed(1))
+
+def steps(precision, stage, all_reduce):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16))
+    engine = initialize(model, {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "bf16": {"enabled": precision == "bf16"}, "zero_optimization": {"stage": stage},
+    })
+    reduces = engine.enable_backward_allreduce
+    engine.enable_backward_allreduce = engine.enable_backward_allreduce or all_reduce
+    for batch in batches:
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+    return reduces, [p.detach().float() for p in engine.module.parameters()]
+
+out = {}
+for precision, stage in (("fp32", 0), ("bf16", 0), ("fp32", 1)):
+    reduces, skipped = steps(precision, stage, all_reduce=False)
+    _, reduced = steps(precision, stage, all_reduce=True)
+    out[f"{precision} stage {stage}"] = {"reduces": reduces, "same": all(map(torch.equal, skipped, reduced))}
+print(json.dumps(out))
+"""
+
+
+def test_one_process_without_zero_skips_the_gradient_all_reduce_and_steps_the_same_to_the_bit():
+    """lmrepo.engines.deepspeed.skip_the_all_reduce_of_one_process: without ZeRO, DeepSpeed's engine
+    on one process no longer copies every gradient out, averages it over one rank and back. That
+    average multiplies by 1, so the parameters after 3 steps (with gradient accumulation and
+    clipping) equal those of the engine that reduces, to the bit, in fp32 and in bf16. ZeRO-1 keeps
+    the reduction (it moves the gradients into the optimizer's partitions)."""
+    import subprocess
+
+    from conftest import free_port
+
+    proc = subprocess.run(
+        [PYTHON, "-c", ONE_PROCESS_STEPS, str(free_port())], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert cases == {
+        "fp32 stage 0": {"reduces": False, "same": True},
+        "bf16 stage 0": {"reduces": False, "same": True},
+        "fp32 stage 1": {"reduces": True, "same": True},
+    }
