@@ -1,7 +1,8 @@
-"""Launched by tests/test_composition.py under torchrun: many training configurations, one after
-another, in one set of rank processes (the process group made once; each configuration gets a
-fresh plan, model, engine and optimizer). Per configuration, the mean loss over ranks and the
-gradient norm of each step, or the line that refused or broke it; rank 0 writes them as JSON.
+"""Launched by tests/test_composition.py on 2 ranks (conftest.launcher): many training
+configurations, one after another, in one set of rank processes (the process group made once;
+each configuration gets a fresh plan, model, engine and optimizer). Per configuration, the mean
+loss over ranks and the gradient norm of each step, or the line that refused or broke it; rank 0
+writes them as JSON.
 
 What one configuration leaves in the process is undone before the next: DeepSpeed's global
 groups (AutoTP's mesh, the expert groups), transformers' attention functions (sequence

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+START_RANKS = REPO / "tests" / "tools" / "start_ranks.py"
 
 
 def pin_op_builds() -> None:
@@ -215,14 +216,17 @@ def token_cache(tmp_path_factory):
     return Path(cache)
 
 
-def launcher(ranks: int, via: str = "torchrun") -> list[str]:
-    """The command that starts a script on `ranks` CPU ranks: plain `python` for 0, else
-    `torchrun` or `deepspeed`, both launchers users type, under which the ranks run the same way
-    (lmrepo.launch gives DeepSpeed's shared-memory all-reduce LOCAL_SIZE under torchrun too).
-    torchrun unless the test is about DeepSpeed's launcher (a signal it forwards, a rank it ends,
-    its exit code on a refusal, `--local_rank`): torchrun starts faster, since DeepSpeed's
-    runner and launch.py each import all of DeepSpeed and its launch.py polls its ranks once a
-    second (benchmarks/bench_launchers.py measures both)."""
+def launcher(ranks: int, via: str = "direct") -> list[str]:
+    """The command that starts a script on `ranks` CPU ranks: plain `python` for 0; else the ranks
+    started directly, one process each with the env:// variables, as srun starts them
+    (tests/tools/start_ranks.py), or `torchrun` or `deepspeed`, the launchers users type, under
+    which the ranks run the same way (lmrepo.launch gives DeepSpeed's shared-memory all-reduce
+    LOCAL_SIZE under each). A launcher only where the test is about it (a signal it forwards, a rank
+    it ends, its exit code on a refusal, `--local_rank`, a command a user types): torchrun's agent
+    imports torch before the first rank starts, and DeepSpeed's runner and launch.py each import
+    all of DeepSpeed (benchmarks/bench_launchers.py measures the three)."""
+    if ranks and via == "direct":
+        return [PYTHON, str(START_RANKS), str(ranks)]
     return launch_command(ranks, via)
 
 
@@ -232,7 +236,7 @@ def run_train(
     ranks: int = 0,
     timeout: int = 900,
     env: dict | None = None,
-    via: str = "torchrun",
+    via: str = "direct",
 ) -> subprocess.CompletedProcess:
     """`python train.py` (ranks=0), or train.py on `ranks` ranks started by `via` (see launcher)."""
     cwd = next(p for p in run_dir.parents if p.is_dir())

@@ -1,4 +1,4 @@
-"""Launched by tests/test_fsdp2.py under torchrun on 2 ranks: one FSDP2 training step of a tiny
+"""Launched by tests/test_fsdp2.py on 2 ranks (conftest.launcher): one FSDP2 training step of a tiny
 GPT-2, then the bytes this rank holds in model states (its shards of the parameters, gradients and
 AdamW's moments), written as JSON for the test to hold against lmrepo.estimate.fsdp2_state_bytes.
 Usage: fsdp2_probe.py OUT_DIR [overrides...]"""

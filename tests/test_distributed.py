@@ -1,4 +1,4 @@
-"""Real 2-rank DeepSpeed runs on the CPU (gloo), started by torchrun (conftest.launcher).
+"""Real 2-rank DeepSpeed runs on the CPU (gloo), started directly (conftest.launcher).
 
 Same seed, data and global batch everywhere; every ZeRO stage, offload target and activation
 checkpointing mode must give the same training loss. Tolerances (tests/numerics.py):

@@ -1,5 +1,5 @@
 """scripts/generate.py: greedy and seeded sampling from a short GPT-2 run (through the export),
-BERT fill-mask on 1 process against AutoTP over 2 ranks (torchrun), and the refusals.
+BERT fill-mask on 1 process against AutoTP over 2 ranks, and the refusals.
 
 Three 2-rank launches: the BERT fill-mask, the GPT-2 refusal under DeepSpeed's launcher and ranks
 on two nodes (both stop before any process group).
@@ -28,7 +28,7 @@ def gpt2_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def generate(args: list[str], cwd: Path, ranks: int = 0, via: str = "torchrun") -> subprocess.CompletedProcess:
+def generate(args: list[str], cwd: Path, ranks: int = 0, via: str = "direct") -> subprocess.CompletedProcess:
     return subprocess.run([*launcher(ranks, via), SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 

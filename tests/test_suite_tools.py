@@ -1,8 +1,10 @@
 """The suite's own tools: `--cpu-report=FILE` (tests/README.md) writes one line per test with its
 CPU seconds, counting the processes it ran, its wall seconds, its worker and when it ended; the
 numeric comparison every test uses (tests/numerics.py) bounds what fp32 sums in another order
-differ by, and its `--tolerance-report` lines."""
+differ by, and its `--tolerance-report` lines; tools/start_ranks.py starts the ranks of the tests
+that are not about a launcher, and must end them as a launcher does."""
 
+import json
 import os
 import subprocess
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import numerics
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, launcher
 from numerics import VOCAB, assert_close, relative_difference, reordered_sum
 
 IN_PROCESS = "tests/test_reference.py::test_every_key_has_a_docstring"
@@ -81,3 +83,38 @@ def test_assert_close_compares_each_tensor_by_its_norm_and_reports(tmp_path, mon
         ("1e-08", test, "gradients"),
         ("1e-05", test, "losses"),
     ]
+
+
+RANK_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+env = {k: os.environ[k] for k in names}
+Path(f"rank{env['RANK']}.json").write_text(json.dumps(env))
+if sys.argv[1] == "all-succeed":
+    sys.exit(0)
+if env["RANK"] == sys.argv[1]:
+    sys.exit(3)
+time.sleep(600)  # a rank waiting in a collective for the one that failed
+"""
+
+
+def test_ranks_started_directly_get_their_rendezvous_and_end_with_the_first_failure(tmp_path):
+    """Each rank has its own RANK and LOCAL_RANK, and all share the world size, the local size and
+    one free master port. When a rank fails, the others (blocked in a collective, as a real job's
+    would be) are ended and the launch exits with the failed rank's status: without that, the
+    launch would sleep out the subprocess timeout below and fail."""
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+
+    def start(ranks: int, how: str) -> int:
+        proc = subprocess.run([*launcher(ranks), "rank.py", how], cwd=tmp_path, capture_output=True, timeout=120)
+        return proc.returncode
+
+    assert start(3, "all-succeed") == 0
+    envs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0"), ("1", "1"), ("2", "2")]
+    port = envs[0]["MASTER_PORT"]
+    assert {tuple(e[k] for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) for e in envs} == {
+        ("3", "3", "127.0.0.1", port)
+    }
+    assert start(3, "2") == 3

@@ -1,0 +1,86 @@
+"""Starts a script on N ranks of this machine as Slurm's srun or a cluster's own launcher does: one
+process per rank, each given the variables torch.distributed's env:// rendezvous reads (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and no agent between them.
+
+The test suite starts the ranks of the tests that are not about a launcher this way: torchrun's
+agent imports torch before it starts the first rank, which costs a 2-rank TINY run ~2.6 CPU-s of
+~17 and ~2.5 s of its ~10 on a 2-core EPYC (benchmarks/bench_launchers.py compares the three). The
+tests of torchrun and DeepSpeed's launcher (their signals, exit codes, --local_rank, the sweeps
+and README commands that type them) keep them.
+
+What a launcher owes its ranks, as torchrun does it: when a rank fails, the others are ended
+(SIGTERM, then SIGKILL after GRACE_S) instead of waiting in a collective for it, and the exit status
+is the first failed rank's; SIGTERM and SIGINT to this process are passed on to every rank; a rank
+dies with this process if it is killed (a test's timeout), not left behind holding the port.
+
+Usage: python start_ranks.py N SCRIPT [ARGS...]
+"""
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+GRACE_S = 30  # torchrun's and DeepSpeed's launcher's wait between SIGTERM and SIGKILL
+PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """In each rank, before it runs: SIGKILL when this launcher dies (Linux's PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def end(ranks: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+    """Sends `signum` to the ranks still running, then SIGKILL to those alive after GRACE_S."""
+    for proc in ranks:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    deadline = time.monotonic() + GRACE_S
+    for proc in ranks:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(n: int, command: list[str]) -> int:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, *command],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            preexec_fn=die_with_parent,
+        )
+        for rank in range(n)
+    ]
+
+    def pass_on(signum, _frame):
+        end(ranks, signum)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    signal.signal(signal.SIGINT, pass_on)
+    while True:
+        codes = [proc.poll() for proc in ranks]
+        failed = next((code for code in codes if code), None)
+        if failed is not None:
+            end(ranks)
+            return failed if failed > 0 else 128 - failed  # a rank killed by signal S: 128 + S, as a shell says
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), sys.argv[2:]))
