@@ -3,7 +3,7 @@ started directly, as srun starts them: tests/tools/start_ranks.py, which the tes
 the launcher is not under test), side by side in one run: what each launcher adds around the ranks,
 in wall time and CPU time.
 
-    python benchmarks/bench_launchers.py [--rounds 3] [--ranks 2] [--out DIR] [--save]   # ~2 min on 2 cores
+    python benchmarks/bench_launchers.py [--rounds 3] [--ranks 2] [--out DIR] [--save]   # ~3 min on 2 cores
 
 Each arm is a tiny GPT-2 (2 layers, 64 wide, 32-token blocks, fp32, 6 steps) on --ranks CPU
 ranks; the arms alternate for --rounds rounds. Wall: from the launcher's start to its exit. CPU:
