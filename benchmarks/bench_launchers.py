@@ -10,8 +10,8 @@ ranks; the arms alternate for --rounds rounds. Wall: from the launcher's start t
 the kernel's account of the launcher and every process it waited for (ranks included). DeepSpeed's
 runner and its launch.py each import all of DeepSpeed before a rank starts, and launch.py polls
 its ranks once a second; torchrun imports torch once and polls every 0.1 s; the direct start imports
-nothing but the standard library. The ranks run alike under all three (lmrepo.launch gives
-DeepSpeed's shared-memory all-reduce LOCAL_SIZE where DeepSpeed's launcher does not).
+neither. The ranks run alike under all three (lmrepo.launch gives DeepSpeed's shared-memory
+all-reduce LOCAL_SIZE where DeepSpeed's launcher does not).
 """
 
 import argparse
@@ -54,7 +54,7 @@ def main() -> None:
     arms = {"deepspeed": [], "torchrun": [], "direct": []}
     run("torchrun", args.ranks, out / "warmup")  # builds DeepSpeed's ops and tokenizes once, untimed
     for r in range(args.rounds):
-        for launcher in list(arms) if r % 2 == 0 else reversed(arms):
+        for launcher in arms if r % 2 == 0 else reversed(arms):
             arms[launcher].append(run(launcher, args.ranks, out / f"{launcher}{r}"))
     report.print(
         f"A {args.ranks}-rank TINY run (6 steps), {args.rounds} launches per launcher, alternating; medians.\n"

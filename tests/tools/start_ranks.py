@@ -3,10 +3,10 @@ process per rank, each given the variables torch.distributed's env:// rendezvous
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and no agent between them.
 
 The test suite starts the ranks of the tests that are not about a launcher this way: torchrun's
-agent imports torch before it starts the first rank, which costs a 2-rank TINY run ~2.6 CPU-s of
-~17 and ~2.5 s of its ~10 on a 2-core EPYC (benchmarks/bench_launchers.py compares the three). The
-tests of torchrun and DeepSpeed's launcher (their signals, exit codes, --local_rank, the sweeps
-and README commands that type them) keep them.
+agent imports torch before it starts the first rank, and DeepSpeed's runner and launch.py all of
+DeepSpeed (benchmarks/bench_launchers.py measures the three). The tests of torchrun and DeepSpeed's
+launcher (their signals, exit codes, --local_rank, the sweeps and README commands that type them)
+keep them.
 
 What a launcher owes its ranks, as torchrun does it: when a rank fails, the others are ended
 (SIGTERM, then SIGKILL after GRACE_S) instead of waiting in a collective for it, and the exit status
@@ -19,19 +19,14 @@ Usage: python start_ranks.py N SCRIPT [ARGS...]
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from lmrepo.launch import free_port
+
 GRACE_S = 30  # torchrun's and DeepSpeed's launcher's wait between SIGTERM and SIGKILL
 PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def die_with_parent() -> None:
@@ -55,7 +50,7 @@ def end(ranks: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
 
 def main(n: int, command: list[str]) -> int:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+    env |= {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
     ranks = [
         subprocess.Popen(
             [sys.executable, *command],
