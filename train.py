@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from lmrepo import quiet
 from lmrepo.config import load, register
-from lmrepo.config.messages import one_line_config_errors
+from lmrepo.config.messages import one_line_config_errors, one_line_disk_errors
 from lmrepo.errors import ConfigError
 from lmrepo.launch import adopt_slurm_env, prepare_argv, world_size
 from lmrepo.rundir import refuse
@@ -36,29 +36,30 @@ def main(cfg: DictConfig) -> None:
     checkpoint_requests = StopRequest()
     if HydraConfig.get().verbose:
         quiet.uninstall()
-    try:
-        load(cfg)  # a wrong value stops here, before torch and DeepSpeed are imported
-    except ConfigError as err:
-        refuse(str(err), Path(cfg.run.dir))
-    # Importing torch and transformers makes ~600k objects that live as long as the process, and
-    # the cyclic collector runs ~1,000 times over them meanwhile: a fifth of a rank's start
-    # (benchmarks/bench_startup.py). Off for the import, then those objects are frozen out of
-    # every later collection (with the few MB of cycles the import left: collecting them costs
-    # more than keeping them). Here, not at the top: a -m sweep's parent never reaches main().
-    gc.disable()
-    from lmrepo.plan import plan
+    with one_line_disk_errors():  # writing the run directory: one line, from inside Hydra's job
+        try:
+            load(cfg)  # a wrong value stops here, before torch and DeepSpeed are imported
+        except ConfigError as err:
+            refuse(str(err), Path(cfg.run.dir))
+        # Importing torch and transformers makes ~600k objects that live as long as the process, and
+        # the cyclic collector runs ~1,000 times over them meanwhile: a fifth of a rank's start
+        # (benchmarks/bench_startup.py). Off for the import, then those objects are frozen out of
+        # every later collection (with the few MB of cycles the import left: collecting them costs
+        # more than keeping them). Here, not at the top: a -m sweep's parent never reaches main().
+        gc.disable()
+        from lmrepo.plan import plan
 
-    adopt_slurm_env()  # RANK and WORLD_SIZE under srun, before the plan counts the ranks
-    try:
-        job = plan(cfg, world_size())  # against the device and the ranks, before transformers is imported
-    except ConfigError as err:
-        refuse(str(err), Path(cfg.run.dir))
-    from lmrepo.run import train
+        adopt_slurm_env()  # RANK and WORLD_SIZE under srun, before the plan counts the ranks
+        try:
+            job = plan(cfg, world_size())  # against the device and the ranks, before transformers is imported
+        except ConfigError as err:
+            refuse(str(err), Path(cfg.run.dir))
+        from lmrepo.run import train
 
-    gc.freeze()
-    gc.enable()
+        gc.freeze()
+        gc.enable()
 
-    train(cfg, job, checkpoint_requests)
+        train(cfg, job, checkpoint_requests)
 
 
 if __name__ == "__main__":

@@ -346,29 +346,50 @@ def test_a_master_port_another_job_holds_is_one_line(tmp_path):
 def test_a_disk_error_one_rank_meets_alone_is_said_by_that_rank(monkeypatch, capsys):
     """A file error on rank 1 only (its disk, or a race on a shared directory) ended that rank
     without a word: rank 0 could only report the peer gone. Now the rank says it."""
-    from lmrepo.config.messages import one_line_config_errors
+    from lmrepo.config.messages import one_line_disk_errors
 
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "")  # unset again afterwards: one_line_config_errors sets it
-    with pytest.raises(SystemExit) as exit_, one_line_config_errors():
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_, one_line_disk_errors():
         raise OSError(errno.ENOENT, "No such file or directory", "/runs/a/checkpoints/step_00000003/manifest.json.tmp")
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (
         "lmrepo: error: rank 1: no such file or directory (/runs/a/checkpoints/"
         "step_00000003/manifest.json.tmp): choose a writable run directory with room "
-        "(hydra.run.dir=...)\n"
+        "(run.dir=...)\n"
     )
 
 
-@pytest.mark.parametrize("where", ["cache", "run"])
+@pytest.mark.parametrize("where", ["cache", "hydra.run.dir", "run.dir"])
 def test_a_file_where_a_directory_belongs_is_one_line(tmp_path, where):
+    """Hydra creating its run directory fails outside the job; the run writing into run.dir fails
+    inside it, where Hydra would print its own "Error executing job" line before ours."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    overrides = [f"data.cache_dir={blocker / 'cache'}"] if where == "cache" else []
-    run_dir = blocker / "run" if where == "run" else tmp_path / "run"
-    proc = run_train([*TINY, "data=text", f"data.paths=[{REPO / 'README.md'}]", *overrides], run_dir)
+    overrides = {"cache": [f"data.cache_dir={blocker / 'cache'}"], "run.dir": [f"run.dir={blocker / 'run'}"]}
+    run_dir = blocker / "run" if where == "hydra.run.dir" else tmp_path / "run"
+    proc = run_train([*TINY, "data=text", f"data.paths=[{REPO / 'README.md'}]", *overrides.get(where, [])], run_dir)
     line = one_error_line(proc)
     assert proc.returncode == 2 and "not a directory" in line and str(blocker) in line
+    assert "Error executing job" not in proc.stderr, proc.stderr[-3000:]
+    if where != "cache":
+        assert line.endswith(f"({where}=...)")
+
+
+def test_a_sweep_job_reports_a_disk_error_in_one_line(tmp_path):
+    """The sweep's parent sets HYDRA_FULL_ERROR for itself; its jobs inherit it and once took it
+    for the user's wish for a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "train.py"), "-m", *TINY, f"run.dir={blocker / 'run'}",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    job_log = (tmp_path / "sweep" / "0" / "job.log").read_text()
+    assert proc.returncode != 0 and "Traceback" not in job_log, job_log[-3000:]
+    error = json.loads((tmp_path / "sweep" / "0" / "status.json").read_text())["error"]
+    assert error == f"not a directory ({blocker / 'run'}): choose a writable run directory with room (run.dir=...)"
 
 
 def test_a_refused_job_keeps_the_users_empty_directories(tmp_path):

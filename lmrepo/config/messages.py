@@ -97,22 +97,46 @@ def describe_hydra_error(err: Exception) -> str | None:
     return None
 
 
+# Set beside HYDRA_FULL_ERROR when lmrepo, not the user, set it: a sweep's jobs inherit both, and
+# a job must not take its parent's setting for the user's wish for tracebacks.
+SET_BY_LMREPO = "LMREPO_SET_HYDRA_FULL_ERROR"
+
+
+def user_wants_traceback() -> bool:
+    return bool(os.environ.get("HYDRA_FULL_ERROR")) and not os.environ.get(SET_BY_LMREPO)
+
+
 @contextmanager
 def one_line_config_errors():
     """Hydra prints its composition errors over several lines and exits 1; a wrong override is
     a user's mistake like any other: one `lmrepo: error:` line, exit 2. HYDRA_FULL_ERROR makes
     Hydra raise instead of printing, so the error can be read here (a user who set it keeps
     Hydra's full traceback)."""
-    user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
-    os.environ["HYDRA_FULL_ERROR"] = "1"
+    traceback_wanted = user_wants_traceback()
+    if not traceback_wanted:
+        os.environ.update({"HYDRA_FULL_ERROR": "1", SET_BY_LMREPO: "1"})
     try:
         yield
     except Exception as err:
-        line = None if user_wants_traceback else describe_hydra_error(err)
+        if traceback_wanted:
+            raise
+        line = describe_hydra_error(err)
         if line is not None:
             exit_error(line)
-        if not user_wants_traceback and (reason := disk_error(err)) is not None:
-            # Hydra creating the run directory, or the run writing into it: a disk or a permission,
-            # which one rank can meet alone, so that rank says it
+        if (reason := disk_error(err)) is not None:
+            # Hydra creating the run directory it was given
             exit_error(f"{reason}: choose a writable run directory with room (hydra.run.dir=...)", every_rank=True)
+        raise
+
+
+@contextmanager
+def one_line_disk_errors():
+    """The run writing into its directory meets a full disk or a permission: one line, exit 2,
+    from inside Hydra's job (its own report of a failed job would come first, as a second line).
+    One rank can meet it alone (its own disk), so that rank says it."""
+    try:
+        yield
+    except Exception as err:
+        if not user_wants_traceback() and (reason := disk_error(err)) is not None:
+            exit_error(f"{reason}: choose a writable run directory with room (run.dir=...)", every_rank=True)
         raise
