@@ -9,8 +9,12 @@ Then: AutoModelForCausalLM.from_pretrained("exported/") (GPT-2) or AutoModelForM
 import argparse
 from pathlib import Path
 
-from lmrepo.errors import ConfigError, exit_error
-from lmrepo.export import export
+from lmrepo import quiet
+
+quiet.install()  # before DeepSpeed is imported: its accelerator notice is no line for the user
+
+from lmrepo.errors import ConfigError, exit_error  # noqa: E402
+from lmrepo.export import export  # noqa: E402
 
 
 def main() -> None:

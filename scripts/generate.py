@@ -13,7 +13,11 @@ A bad argument or a refused layout: one line on stderr, exit 2.
 
 import sys
 
-from lmrepo.generate import main
+from lmrepo import quiet
+
+quiet.install()  # before DeepSpeed is imported: its accelerator notice is no line for the user
+
+from lmrepo.generate import main  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1:])

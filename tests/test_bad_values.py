@@ -191,6 +191,7 @@ def test_export_of_a_run_without_a_checkpoint_says_how_to_get_one(tmp_path):
         f"lmrepo: error: {run_dir} holds no checkpoint: a run saves one with trainer.save_every=N (and at its "
         "end); train with it, then export the run directory"
     ]
+    assert proc.stdout == "", "nothing else on the terminal (DeepSpeed's accelerator notice is dropped)"
     assert not (tmp_path / "hf").exists()
 
 
