@@ -157,15 +157,17 @@ def test_json_missing_text_field(tmp_path, gpt2):
         (['{"text": 100000}'] * 3, "docs.jsonl line 1: text is a int (100000), not text"),
         (['{"text": "one"}', '{"text": "two"}', '{"text": 7}'], "docs.jsonl line 3: text is a int (7), not text"),
         (['{"text": "one"}', '{"text": ["a", "b"]}'], "docs.jsonl line 2: text is a list"),
+        (['{"text": "one"}', '{"text": "two"'], "docs.jsonl line 2: not JSON (Expecting ',' delimiter)"),
     ],
-    ids=["numbers", "a-number-among-texts", "a-list"],
+    ids=["numbers", "a-number-among-texts", "a-list", "a-broken-line"],
 )
-def test_json_text_that_is_not_text_is_one_line_naming_file_and_line(tmp_path, gpt2, records, says):
+def test_json_text_that_is_not_text_is_one_line_naming_file_and_line(tmp_path, gpt2, records, says, capfd):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(records) + "\n")
     with pytest.raises(ConfigError) as err:
         prepare(data_cfg(tmp_path, [path], "json", "data.num_proc=1"), gpt2)
     assert says in str(err.value) and "\n" not in str(err.value)
+    assert "Failed to load JSON" not in capfd.readouterr().err, "datasets' own log of the error: lmrepo's line says it"
     assert token_dirs(tmp_path / "cache") == []
 
 

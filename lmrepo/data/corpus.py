@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,17 +84,23 @@ def load_documents(data, workdir: Path) -> datasets.Dataset:
             if shown:
                 datasets.enable_progress_bars()
     if data.source == "json":
+        # datasets' JSON builder logs its parser's error before raising it: lmrepo's line says it
+        builder_log = logging.getLogger("datasets.packaged_modules.json.json")
+        level = builder_log.level
+        builder_log.setLevel(logging.CRITICAL)
         try:
             docs = datasets.load_dataset("json", data_files=files, split="train")
         except Exception as err:  # datasets wraps the JSON parser's many errors
             # Arrow refuses a field that is text in one record and a number in another: say which
-            reason = (
-                first_non_text(files, data.text_field) or f"cannot read {files[0]}... as JSON ({type(err).__name__})"
+            reason = first_non_text(files, data.text_field) or (
+                f"cannot read {files[0]}... as JSON ({wrapped_reason(err)})"
             )
             raise ConfigError(f"data.paths: {reason}: check the files") from None
+        finally:
+            builder_log.setLevel(level)
         feature = docs.features.get(data.text_field)
         if feature is not None and not is_text(feature) and getattr(feature, "dtype", None) != "null":
-            found = first_non_text(files, data.text_field) or f"{files[0]}: {data.text_field} is not text"
+            found = first_non_text(files, data.text_field) or f"{files[0]}: the field {data.text_field!r} is not text"
             raise ConfigError(f"data.paths: {found}: make every record's {data.text_field} a string (null skips it)")
         return text_column(docs, data.text_field, files[0])
     if data.source == "hf":
@@ -199,7 +206,8 @@ def is_text(feature) -> bool:
 
 def first_non_text(files: list[str], field: str) -> str | None:
     """ "FILE line N: FIELD is a TYPE (VALUE)" for the first JSON-lines record whose field holds
-    something other than text or null; None when there is none or the files are not JSON lines."""
+    something other than text or null, or "FILE line N: not JSON (REASON)" for the first line that
+    does not parse; None when there is neither, or a file is one JSON document."""
     import json
 
     for path in files:
@@ -209,9 +217,30 @@ def first_non_text(files: list[str], field: str) -> str | None:
                     continue
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:
-                    return None  # not JSON lines (one JSON document): datasets' own reading stands
+                except json.JSONDecodeError as err:
+                    if is_one_json_document(path):
+                        return None  # not JSON lines but one document: datasets' own reading stands
+                    return f"{path} line {number}: not JSON ({err.msg})"
                 value = record.get(field) if isinstance(record, dict) else None
                 if value is not None and not isinstance(value, str):
                     return f"{path} line {number}: {field} is a {type(value).__name__} ({str(value)[:40]}), not text"
     return None
+
+
+def is_one_json_document(path: str) -> bool:
+    import json
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            json.load(f)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def wrapped_reason(err: BaseException) -> str:
+    """What datasets' DatasetGenerationError wraps ("JSON parse error: Invalid value. in row 0"),
+    or the error's type when it says nothing."""
+    inner = err.__cause__ or err.__context__ or err
+    lines = str(inner).strip().splitlines()
+    return lines[0][:200] if lines else type(inner).__name__
