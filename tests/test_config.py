@@ -596,6 +596,20 @@ def test_pretrained_dir_without_config_json(tmp_path):
         validate(compose_config([f"model.pretrained={tmp_path}"]), 1, CPU)
 
 
+def test_pretrained_weights_of_another_family_are_refused():
+    """GPT2LMHeadModel.from_pretrained on a BERT directory builds a GPT-2 of BERT's sizes and
+    initializes every weight at random (none of the names match), without an error: a fresh start
+    the user believes pretrained."""
+    gpt2_dir = CONF.parent / "tests" / "data" / "gpt2-124m"
+    validate(compose_config(["model=gpt2-tiny", f"model.pretrained={gpt2_dir}"]), 1, CPU)  # its own family
+    for words, wrong, choose in (
+        (["model=llama-tiny", f"model.pretrained={gpt2_dir}"], "gpt2", "model=gpt2 "),
+        (["model=gpt2", f"model.pretrained={minilm_dir()}"], "bert", "model=bert-base "),
+    ):
+        with pytest.raises(ConfigError, match=f"holds a {wrong} model .* choose {choose}"):
+            validate(compose_config(words), 1, CPU)
+
+
 def test_deepspeed_config_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="deepspeed_config=.*does not exist"):
         validate(compose_config([f"deepspeed_config={tmp_path / 'missing.json'}"]), 1, CPU)

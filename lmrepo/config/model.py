@@ -105,6 +105,20 @@ class ModelConfig:
             hf = json.loads(config_file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"model.pretrained={self.pretrained}: config.json is not valid JSON ({err})") from None
+        # transformers builds a family's model from another's config and initializes every weight
+        # whose name does not match at random: a silent fresh start the user believes pretrained
+        model_type = hf.get("model_type")
+        presets = {"gpt2": "model=gpt2", "bert": "model=bert-base", "llama": "model=llama-1b"}
+        require(
+            model_type in (None, self.family.value) or self.family == Family.mixtral,
+            f"model.pretrained={self.pretrained} holds a {model_type} model (its config.json's model_type) and "
+            f"model= chose the {self.family.value} family, which would load none of its weights: "
+            + (
+                f"choose {presets[model_type]} (the directory gives the sizes)"
+                if model_type in presets
+                else "lmrepo loads gpt2, bert and llama models"
+            ),
+        )
         names = {
             "n_layer": ("n_layer", "num_hidden_layers"),
             "n_head": ("n_head", "num_attention_heads"),
