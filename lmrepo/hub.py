@@ -28,9 +28,9 @@ def is_hub_id(pretrained: str) -> bool:
 
 
 @contextmanager
-def _quiet_retries():
-    """huggingface_hub logs a warning per retry of an unreachable Hub (five, over ~20 s): the
-    line before the wait says what happens, the error after it says why it failed."""
+def quiet_retries():
+    """huggingface_hub logs a warning per retry of an unreachable Hub (five, over ~20 s, for each
+    file): the line before the wait says what happens, the error after it says why it failed."""
     hub_log = logging.getLogger("huggingface_hub")
     level = hub_log.level
     hub_log.setLevel(logging.ERROR)
@@ -61,7 +61,7 @@ def hub_file(repo_id: str, filename: str) -> Path | None:
     if not offline and os.environ.get("RANK", "0") == "0":
         print(f"lmrepo: fetching {filename} of {repo_id} from the Hugging Face Hub", flush=True)
     try:
-        with _quiet_retries():
+        with quiet_retries():
             return Path(hf_hub_download(repo_id, filename))
     except LocalEntryNotFoundError:
         raise ConfigError(

@@ -153,6 +153,21 @@ assert type(tokenizer).__name__.startswith("Bert") and len(tokenizer) == 30522, 
     ], proc.stderr[-3000:]
 
 
+def test_a_hub_dataset_out_of_reach_is_one_line(tmp_path):
+    """data=hf with a dataset neither cached nor reachable: the line before the wait, then the
+    one error line, none of huggingface_hub's warnings between them."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = run_train([*TINY, "data=hf", "data.name=lmrepo-tests/not-fetched"], tmp_path / "run", env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("lmrepo: error: data=hf: cannot load lmrepo-tests/not-fetched (")
+        and len(proc.stderr.strip().splitlines()) == 1
+    ), proc.stderr[-3000:]
+    assert "lmrepo: data=hf: loading lmrepo-tests/not-fetched" in proc.stdout
+
+
 def test_bert_tiny_random_init_trains(tmp_path):
     run_dir = tmp_path / "run"
     assert_ok(run_train(["model=bert-tiny", *TINY[3:], "data.block_size=34"], run_dir))

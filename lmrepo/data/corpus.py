@@ -153,8 +153,12 @@ def check_utf8(path: str) -> None:
 def load_hub_dataset(data) -> datasets.Dataset:
     import datasets
 
+    from lmrepo.hub import quiet_retries
+
+    print(f"lmrepo: data=hf: loading {data.name} through the Hugging Face Hub's cache", flush=True)
     try:
-        docs = datasets.load_dataset(data.name, data.config, split=data.split)
+        with quiet_retries():
+            docs = datasets.load_dataset(data.name, data.config, split=data.split)
     except Exception as err:  # offline: ConnectionError, OfflineModeIsEnabled, DatasetNotFoundError, ...
         raise ConfigError(
             f"data=hf: cannot load {data.name} ({type(err).__name__}: "
