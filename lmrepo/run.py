@@ -53,6 +53,7 @@ def prepare_job(job: Plan, run_dir: Path):
                 f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
                 "checkpoint conversion is not supported for pipelines here)"
             )
+        check_zero_stage(resume, ds_config, config.engine.name)
         saved_ep = (resume.config.get("expert_parallel") or {}).get("size", 1)
         if saved_ep != config.expert_parallel.size:
             raise ConfigError(
@@ -71,6 +72,23 @@ def prepare_job(job: Plan, run_dir: Path):
         job.notes += [line for line in [schedule_change(resume.config, config, resume.step)] if line]
     data_sources = prepare_sources(config.data, tokenizer)
     return tokenizer, data_sources, resume
+
+
+def check_zero_stage(resume: checkpoint.Resume, ds_config: dict, engine: str) -> None:
+    """DeepSpeed keeps the optimizer states of each ZeRO stage in its own layout: ZeRO-0's in the
+    model file, ZeRO-1's and ZeRO-2's in the same partitioned files (either loads the other's, bit
+    for bit), ZeRO-3's with the parameters' partitions. Another pair failed deep in DeepSpeed
+    (a missing file, an assertion, a None copied)."""
+    if engine != "deepspeed" or not resume.ds_config:
+        return
+    saved = (resume.ds_config.get("zero_optimization") or {}).get("stage", 0)
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if saved != stage and {saved, stage} != {1, 2}:
+        raise ConfigError(
+            f"this checkpoint was saved at ZeRO stage {saved}, this run is at stage {stage}, and DeepSpeed "
+            f"keeps the optimizer states of the two in other layouts: resume with zero=stage{saved}, or export "
+            "it (scripts/export_hf.py RUN OUT) and start from model.pretrained=OUT"
+        )
 
 
 def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
