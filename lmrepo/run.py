@@ -53,7 +53,7 @@ def prepare_job(job: Plan, run_dir: Path):
                 f"has {dp_size}: resume with {resume.dp_size * config.pipeline.stages} ranks (a universal "
                 "checkpoint conversion is not supported for pipelines here)"
             )
-        check_zero_stage(resume, ds_config, config.engine.name)
+        check_optimizer_layout(resume, ds_config, config.engine.name)
         saved_ep = (resume.config.get("expert_parallel") or {}).get("size", 1)
         if saved_ep != config.expert_parallel.size:
             raise ConfigError(
@@ -74,20 +74,29 @@ def prepare_job(job: Plan, run_dir: Path):
     return tokenizer, data_sources, resume
 
 
-def check_zero_stage(resume: checkpoint.Resume, ds_config: dict, engine: str) -> None:
-    """DeepSpeed keeps the optimizer states of each ZeRO stage in its own layout: ZeRO-0's in the
-    model file, ZeRO-1's and ZeRO-2's in the same partitioned files (either loads the other's, bit
-    for bit), ZeRO-3's with the parameters' partitions. Another pair failed deep in DeepSpeed
-    (a missing file, an assertion, a None copied)."""
+def optimizer_layout(ds_config: dict) -> tuple[int, str]:
+    """(ZeRO stage, precision) of a DeepSpeed config: what decides how its checkpoints keep the
+    optimizer states."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    precision = next((p for p in ("bf16", "fp16") if (ds_config.get(p) or {}).get("enabled")), "fp32")
+    return stage, precision
+
+
+def check_optimizer_layout(resume: checkpoint.Resume, ds_config: dict, engine: str) -> None:
+    """DeepSpeed keeps the optimizer states of each ZeRO stage and precision in its own layout:
+    ZeRO-0's fp32 states in the model file, bf16's in files of their own, ZeRO-1's and ZeRO-2's in
+    the same partitioned files (either loads the other's, bit for bit), ZeRO-3's with the
+    parameters' partitions. Another pair failed deep in DeepSpeed (a missing file, a KeyError, an
+    assertion)."""
     if engine != "deepspeed" or not resume.ds_config:
         return
-    saved = (resume.ds_config.get("zero_optimization") or {}).get("stage", 0)
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if saved != stage and {saved, stage} != {1, 2}:
+    (saved_stage, saved_precision), (stage, precision) = optimizer_layout(resume.ds_config), optimizer_layout(ds_config)
+    if saved_precision != precision or (saved_stage != stage and {saved_stage, stage} != {1, 2}):
         raise ConfigError(
-            f"this checkpoint was saved at ZeRO stage {saved}, this run is at stage {stage}, and DeepSpeed "
-            f"keeps the optimizer states of the two in other layouts: resume with zero=stage{saved}, or export "
-            "it (scripts/export_hf.py RUN OUT) and start from model.pretrained=OUT"
+            f"this checkpoint was saved at ZeRO stage {saved_stage} in {saved_precision}, this run is at stage "
+            f"{stage} in {precision}, and DeepSpeed keeps the optimizer states of the two in other layouts: resume "
+            f"with zero=stage{saved_stage} precision={saved_precision}, or export it (scripts/export_hf.py RUN OUT) "
+            "and start from model.pretrained=OUT"
         )
 
 

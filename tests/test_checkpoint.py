@@ -174,7 +174,7 @@ def test_corrupt_and_mismatched_checkpoints_stop_before_training(launch2, tmp_pa
         ([f"run.resume={source}", "model.n_embd=128"], "another model"),
         ([f"run.resume={source}", "model.tokenizer=bert", "model.vocab_size=50257"], "vocabulary"),
         # DeepSpeed looked for ZeRO-2's partitioned optimizer files and failed on a missing one
-        ([f"run.resume={source}", "zero=stage2"], "saved at ZeRO stage 0"),
+        ([f"run.resume={source}", "zero=stage2"], "saved at ZeRO stage 0 in fp32"),
     ]
     for overrides, expected in cases:
         run_dir = tmp_path / "runs" / expected.replace(" ", "_")
