@@ -533,9 +533,23 @@ def prepare_universal(resume: Resume, dp_size: int) -> Resume:
 NUMPY_STATE_GLOBALS = (np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType)
 
 
+# The hyperparameters of a parameter group that lmrepo's optimizer keys (or a user's DeepSpeed
+# JSON) set, which a resume takes from this run. The rest stays as loaded: the learning rate (the
+# schedule, restored with it, sets it each step) and what an optimizer counts in its groups
+# (DeepSpeed's FusedAdam keeps Adam's step there).
+THIS_RUNS = ("weight_decay", "betas", "eps", "momentum", "ns_method")
+
+
 def load(engine: Engine, resume: Resume) -> TrainState:
+    """torch's and DeepSpeed's optimizers load their parameter groups' hyperparameters with the
+    moments: a resume with optimizer.weight_decay, betas or eps changed trained on with the
+    checkpoint's values while the run's config recorded the new ones. They are set back to this
+    run's after the load (run.py's note names what changed)."""
+    ours = [{k: group[k] for k in THIS_RUNS if k in group} for group in engine.optimizer_groups()]
     with safe_load.weights_only_loads(resume.directory / resume.tag):
         engine.load(resume.directory, resume.tag)
+    for group, settings in zip(engine.optimizer_groups(), ours, strict=True):
+        group.update(settings)
     rng_file = resume.directory / resume.tag / f"rng_rank{dist.get_rank():05d}.pt"
     if not resume.universal and rng_file.is_file():
         set_rng_state(safe_load.load(rng_file, extra_globals=NUMPY_STATE_GLOBALS))

@@ -54,6 +54,13 @@ def prepare_job(job: Plan, run_dir: Path):
                 "checkpoint conversion is not supported for pipelines here)"
             )
         check_optimizer_layout(resume, ds_config, config.engine.name)
+        saved_optimizer = (resume.config.get("optimizer") or {}).get("name", "adamw")
+        if saved_optimizer != config.optimizer.name and {saved_optimizer, config.optimizer.name} != {"adam", "adamw"}:
+            raise ConfigError(
+                f"this checkpoint was saved with optimizer={saved_optimizer}, this run has "
+                f"optimizer={config.optimizer.name}: their states differ; resume with optimizer={saved_optimizer}, "
+                "or export it (scripts/export_hf.py RUN OUT) and start from model.pretrained=OUT"
+            )
         saved_ep = (resume.config.get("expert_parallel") or {}).get("size", 1)
         if saved_ep != config.expert_parallel.size:
             raise ConfigError(
@@ -70,6 +77,7 @@ def prepare_job(job: Plan, run_dir: Path):
         resume = checkpoint.prepare_universal(resume, dp_size)
         job.notes += [line for line in [continue_with_saved_adam(ds_config, resume.ds_config)] if line]
         job.notes += [line for line in [schedule_change(resume.config, config, resume.step)] if line]
+        job.notes += [line for line in [optimizer_change(resume.config, config)] if line]
     data_sources = prepare_sources(config.data, tokenizer)
     return tokenizer, data_sources, resume
 
@@ -116,6 +124,21 @@ def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
         f"lmrepo: note: resuming at step {step} with {', '.join(changed)}: the learning rate follows the new "
         "schedule from this step"
     )
+
+
+def optimizer_change(saved: dict, config: TrainConfig) -> str | None:
+    """A resume with other optimizer hyperparameters: the checkpoint's moments continue under this
+    run's values (lmrepo.checkpoint.load sets them back after the load): said in one line."""
+    now, then = OmegaConf.create(to_dict(config)), OmegaConf.create(saved)
+    keys = ("optimizer.weight_decay", "optimizer.betas", "optimizer.eps", "optimizer.momentum", "optimizer.ns_method")
+    changed = [
+        f"{key}={OmegaConf.select(now, key)} (was {OmegaConf.select(then, key)})"
+        for key in keys
+        if OmegaConf.select(then, key) not in (None, OmegaConf.select(now, key))
+    ]
+    if not changed:
+        return None
+    return f"lmrepo: note: resuming with {', '.join(changed)}: the checkpoint's optimizer moments continue under them"
 
 
 def done_line(figures: dict, last: dict) -> str:

@@ -112,6 +112,31 @@ def test_a_checkpoint_resumes_with_the_adam_that_wrote_it(tmp_path):
     assert trajectory(tmp_path / "resumed") == trajectory(written, after=3)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_resume_with_other_optimizer_settings_trains_with_them(tmp_path, stage):
+    """torch's and DeepSpeed's optimizers load their groups' hyperparameters with the moments: a
+    resume with another weight decay or betas trained on with the checkpoint's, while the run's
+    config said the new ones. ZeRO-0 steps torch's AdamW itself; ZeRO-2 wraps it."""
+    words = [*TINY, f"zero=stage{stage}", "precision=fp32"]
+    assert_ok(run_train([*words, "trainer.max_steps=2", "trainer.save_every=2"], tmp_path / "saved"))
+    resumed = run_train(
+        [*words, "trainer.max_steps=3", "trainer.save_every=1", "optimizer.weight_decay=0.3",
+         "optimizer.betas=[0.8,0.9]", f"run.resume={tmp_path / 'saved' / 'checkpoints' / 'step_00000002'}"],
+        tmp_path / "resumed",
+    )  # fmt: skip
+    assert_ok(resumed)
+    assert "resuming with optimizer.weight_decay=0.3 (was 0.1), optimizer.betas=[0.8, 0.9] (was [0.9, 0.95])" in (
+        resumed.stdout
+    )
+    tag_dir = tmp_path / "resumed" / "checkpoints" / "step_00000003"
+    if stage == 0:
+        groups = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]["param_groups"]
+    else:
+        optimizer = torch.load(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+        groups = optimizer["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.3, (0.8, 0.9)), (0.0, (0.8, 0.9))]
+
+
 def test_kill_9_during_saves_keeps_latest_loadable(tmp_path):
     run_dir = tmp_path / "run"
     # A checkpoint every step: most of the run's time is spent saving, so the kill lands in one.
@@ -175,9 +200,10 @@ def test_corrupt_and_mismatched_checkpoints_stop_before_training(launch2, tmp_pa
         ([f"run.resume={source}", "model.tokenizer=bert", "model.vocab_size=50257"], "vocabulary"),
         # DeepSpeed looked for ZeRO-2's partitioned optimizer files and failed on a missing one
         ([f"run.resume={source}", "zero=stage2"], "saved at ZeRO stage 0 in fp32"),
+        ([f"run.resume={source}", "optimizer=muon"], "saved with optimizer=adamw"),
     ]
-    for overrides, expected in cases:
-        run_dir = tmp_path / "runs" / expected.replace(" ", "_")
+    for number, (overrides, expected) in enumerate(cases):
+        run_dir = tmp_path / "runs" / str(number)
         proc = run_train([*TINY, *overrides], run_dir)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert expected in proc.stderr and "Traceback" not in proc.stderr

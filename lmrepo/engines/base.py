@@ -41,6 +41,9 @@ class Engine(Protocol):
     def load(self, directory: Path, tag: str) -> dict:
         """Restores checkpoint `tag`; returns the client state saved with it."""
 
+    def optimizer_groups(self) -> list[dict]:
+        """The parameter groups of the optimizer this rank steps (their hyperparameters)."""
+
 
 # lmrepo's optimizer names -> torch's classes, for the engines that step a torch optimizer
 # themselves (FSDP2, the torch pipeline); DeepSpeed's engines take lmrepo.ds_config's section.

@@ -240,6 +240,9 @@ class DeepSpeedEngine:
     def finish_save(self) -> None:
         pass  # save_checkpoint returns with the files written
 
+    def optimizer_groups(self) -> list[dict]:
+        return self.ds.optimizer.param_groups  # the wrapped optimizer's, under every ZeRO stage
+
     def load(self, directory: Path, tag: str) -> dict:
         path, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
         if path is None:

@@ -200,6 +200,9 @@ class FSDP2Engine:
             torch.save(states, tag_dir / CLIENT_STATE_FILE)
         dist.barrier()
 
+    def optimizer_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
     def finish_save(self) -> None:
         if self.writing is not None:
             writing, self.writing = self.writing, None

@@ -533,6 +533,9 @@ class TorchPipelineEngine:
                     torch.save(states, optimizer_file(directory, index))
         dist.barrier()
 
+    def optimizer_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
     def finish_save(self) -> None:
         pass  # save() returns with the files written
 
