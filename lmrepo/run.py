@@ -108,16 +108,21 @@ def check_optimizer_layout(resume: checkpoint.Resume, ds_config: dict, engine: s
         )
 
 
-def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
-    """A resume with another run length or schedule takes the learning rate of the new schedule
-    from the checkpoint's step on (the old one's would not reach its end): said in one line."""
+def changed_keys(saved: dict, config: TrainConfig, keys: tuple[str, ...]) -> list[str]:
+    """`key=now (was then)` for each of `keys` the checkpoint's config holds with another value."""
     now, then = OmegaConf.create(to_dict(config)), OmegaConf.create(saved)
-    keys = ("trainer.max_steps", "optimizer.lr", "schedule.name", "schedule.warmup_steps", "schedule.min_lr_ratio")
-    changed = [
+    return [
         f"{key}={OmegaConf.select(now, key)} (was {OmegaConf.select(then, key)})"
         for key in keys
         if OmegaConf.select(then, key) not in (None, OmegaConf.select(now, key))
     ]
+
+
+def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
+    """A resume with another run length or schedule takes the learning rate of the new schedule
+    from the checkpoint's step on (the old one's would not reach its end): said in one line."""
+    keys = ("trainer.max_steps", "optimizer.lr", "schedule.name", "schedule.warmup_steps", "schedule.min_lr_ratio")
+    changed = changed_keys(saved, config, keys)
     if not changed:
         return None
     return (
@@ -129,13 +134,8 @@ def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
 def optimizer_change(saved: dict, config: TrainConfig) -> str | None:
     """A resume with other optimizer hyperparameters: the checkpoint's moments continue under this
     run's values (lmrepo.checkpoint.load sets them back after the load): said in one line."""
-    now, then = OmegaConf.create(to_dict(config)), OmegaConf.create(saved)
     keys = ("optimizer.weight_decay", "optimizer.betas", "optimizer.eps", "optimizer.momentum", "optimizer.ns_method")
-    changed = [
-        f"{key}={OmegaConf.select(now, key)} (was {OmegaConf.select(then, key)})"
-        for key in keys
-        if OmegaConf.select(then, key) not in (None, OmegaConf.select(now, key))
-    ]
+    changed = changed_keys(saved, config, keys)
     if not changed:
         return None
     return f"lmrepo: note: resuming with {', '.join(changed)}: the checkpoint's optimizer moments continue under them"
