@@ -40,10 +40,11 @@ def quiet_retries():
         hub_log.setLevel(level)
 
 
-def hub_file(repo_id: str, filename: str) -> Path | None:
+def hub_file(repo_id: str, filename: str, optional: bool = False) -> Path | None:
     """The file of the repository's main revision from the cache, fetched first if the cache lacks
     it; None when the repository has no such file. A repository that does not exist, a gated one,
-    or an id the cache lacks while the Hub cannot be reached: ConfigError."""
+    or a file the cache lacks while the Hub cannot be reached: ConfigError, unless the file is
+    `optional` (None then: a repository fetched whole has every file it holds in the cache)."""
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -64,6 +65,8 @@ def hub_file(repo_id: str, filename: str) -> Path | None:
         with quiet_retries():
             return Path(hf_hub_download(repo_id, filename))
     except LocalEntryNotFoundError:
+        if optional:
+            return None
         raise ConfigError(
             f"model.pretrained={repo_id} is not a directory here, and its {filename} is not in the Hugging Face "
             f"cache while {'HF_HUB_OFFLINE is set' if offline else 'the Hub cannot be reached'}: fetch it where "
@@ -85,4 +88,6 @@ def hub_file(repo_id: str, filename: str) -> Path | None:
 
 def hub_tokenizer(repo_id: str) -> bool:
     """Whether the repository carries a tokenizer of its own (as a model directory would)."""
-    return any(hub_file(repo_id, name) is not None for name in ("tokenizer_config.json", "tokenizer.json"))
+    return any(
+        hub_file(repo_id, name, optional=True) is not None for name in ("tokenizer_config.json", "tokenizer.json")
+    )

@@ -127,6 +127,10 @@ def test_a_hub_repository_id_loads_from_the_hub_cache(tmp_path):
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(revision)
     shutil.copytree(weights, repo / "snapshots" / revision)
+    config_only = tmp_path / "hub" / "models--lmrepo-tests--gpt2-config"  # a repository without a tokenizer
+    (config_only / "refs").mkdir(parents=True)
+    (config_only / "refs" / "main").write_text(revision)
+    shutil.copytree(REPO / "tests" / "data" / "gpt2-124m", config_only / "snapshots" / revision)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     check = """
 import torch
@@ -141,6 +145,8 @@ saved = load_file("%s")
 assert all(torch.equal(net.bert.state_dict()[k], saved[k]) for k in saved if k in net.bert.state_dict())
 tokenizer = load_tokenizer(model.tokenizer, model.pretrained)
 assert type(tokenizer).__name__.startswith("Bert") and len(tokenizer) == 30522, tokenizer
+# offline, a repository whose cache holds no tokenizer file has none: model.tokenizer's is used
+assert len(load_tokenizer("gpt2", "lmrepo-tests/gpt2-config")) == 50257
 """ % (weights / "model.safetensors")
     proc = subprocess.run([PYTHON, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
