@@ -112,12 +112,13 @@ def test_a_checkpoint_resumes_with_the_adam_that_wrote_it(tmp_path):
     assert trajectory(tmp_path / "resumed") == trajectory(written, after=3)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_a_resume_with_other_optimizer_settings_trains_with_them(tmp_path, stage):
+@pytest.mark.parametrize("engine", ["zero=stage0", "zero=stage2", "engine=fsdp2"])
+def test_a_resume_with_other_optimizer_settings_trains_with_them(tmp_path, engine):
     """torch's and DeepSpeed's optimizers load their groups' hyperparameters with the moments: a
     resume with another weight decay or betas trained on with the checkpoint's, while the run's
-    config said the new ones. ZeRO-0 steps torch's AdamW itself; ZeRO-2 wraps it."""
-    words = [*TINY, f"zero=stage{stage}", "precision=fp32"]
+    config said the new ones. ZeRO-0 steps torch's AdamW itself, ZeRO-2 wraps it, FSDP2 loads it
+    through DCP."""
+    words = [*TINY, engine, "precision=fp32"]
     assert_ok(run_train([*words, "trainer.max_steps=2", "trainer.save_every=2"], tmp_path / "saved"))
     resumed = run_train(
         [*words, "trainer.max_steps=3", "trainer.save_every=1", "optimizer.weight_decay=0.3",
@@ -129,11 +130,16 @@ def test_a_resume_with_other_optimizer_settings_trains_with_them(tmp_path, stage
         resumed.stdout
     )
     tag_dir = tmp_path / "resumed" / "checkpoints" / "step_00000003"
-    if stage == 0:
+    if engine == "zero=stage0":
         groups = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]["param_groups"]
-    else:
+    elif engine == "zero=stage2":
         optimizer = torch.load(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
         groups = optimizer["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(tag_dir, tmp_path / "fsdp2.pt")
+        groups = torch.load(tmp_path / "fsdp2.pt", weights_only=False)["optimizer"]["param_groups"]
     assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.3, (0.8, 0.9)), (0.0, (0.8, 0.9))]
 
 
