@@ -4,9 +4,10 @@ each configuration gets a fresh plan, model, engine and optimizer). Per configur
 loss over ranks and the gradient norm of each step, or the line that refused or broke it; rank 0
 writes them as JSON.
 
-What one configuration leaves in the process is undone before the next: DeepSpeed's global
-groups (AutoTP's mesh, the expert groups), transformers' attention functions (sequence
-parallelism wraps SDPA), torch.compile's caches.
+What one configuration leaves in the process is undone before the next: the process groups it
+made (its device mesh's, DeepSpeed's, the save group), DeepSpeed's global groups (AutoTP's mesh,
+the expert groups), transformers' attention functions (sequence parallelism wraps SDPA),
+torch.compile's caches.
 
 A case's words may hold the probe's own: `probe.save_at=K` saves a checkpoint after step K, as
 train.py does, in a run directory of the case's own (tests/composition.py's case_dir), training on
@@ -82,6 +83,27 @@ def reset_process_state(attention: tuple[dict, dict]) -> None:
         mapping.update(saved)
     torch._dynamo.reset()
     gc.collect()
+    destroy_subgroups()
+
+
+def destroy_subgroups() -> None:
+    """Every process group but the world's, which the next case's device mesh and DeepSpeed make
+    afresh. A gloo group keeps two worker threads and a TCP loop that wakes every 10 ms: by the
+    matrix's last cases each rank held ~480 such threads, and perf put a third of a rank's CPU in
+    those loops' wake-ups. Groups a case's leftovers still reference (an FSDP2
+    pipeline's autograd graph) keep their threads until those go."""
+    from torch.distributed import distributed_c10d
+    from torch.distributed.tensor import DTensor, debug
+
+    # DTensor's sharding caches (Python's and the C++ fast path's) key on device meshes by value: a
+    # result cached by an earlier case would hand this case's equal mesh back with that case's
+    # groups, destroyed below, and keep them alive.
+    debug._clear_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    gc.collect()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not distributed_c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 def compiled_by() -> str:
