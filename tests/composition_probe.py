@@ -82,8 +82,8 @@ def reset_process_state(attention: tuple[dict, dict]) -> None:
         mapping.clear()
         mapping.update(saved)
     torch._dynamo.reset()
-    gc.collect()
     destroy_subgroups()
+    gc.collect()  # the case's objects, and the groups destroyed above with them
 
 
 def destroy_subgroups() -> None:
@@ -100,7 +100,6 @@ def destroy_subgroups() -> None:
     # groups, destroyed below, and keep them alive.
     debug._clear_sharding_prop_cache()
     DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    gc.collect()
     for group in list(distributed_c10d._world.pg_map):
         if group is not distributed_c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
