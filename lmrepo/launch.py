@@ -76,9 +76,80 @@ def adopt_slurm_env() -> None:
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (for MASTER_PORT / the launcher's --master_port)."""
+# How long a port handed out by free_port stays claimed: long past any rank 0's bind of it
+# (imports, then the store), short enough that a crashed launcher's claims expire.
+PORT_CLAIM_S = 600
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (bind to port 0, every outgoing connection's
+    local port): Linux's default when it cannot be read."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def rendezvous_ports() -> range:
+    """Where free_port looks: a stretch outside the kernel's own range, so that no other process
+    is given the port as a side effect of connecting somewhere."""
+    low, high = ephemeral_ports()
+    if low - 1024 >= 4096:
+        return range(max(1024, low - 12768), low)  # 20000-32767 with Linux's default range
+    if 65535 - high >= 4096:
+        return range(high + 1, 65536)
+    return range(0)  # the kernel's range covers nearly everything: port 0 (free_port says so)
+
+
+def claim_port(port: int, claims: Path) -> bool:
+    """Takes `port` for this caller unless another process claimed it in the last PORT_CLAIM_S: a
+    file created exclusively, so two processes never both get it."""
+    path = claims / str(port)
+    try:
+        if time.time() - path.stat().st_mtime > PORT_CLAIM_S:
+            path.unlink(missing_ok=True)  # another caller's, expired
+    except FileNotFoundError:
+        pass
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+
+
+def nobody_listens_on(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds: TIME_WAIT is no owner
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port() -> int:
+    """A TCP port for a rendezvous (MASTER_PORT, a launcher's --master_port) that no other process
+    takes before the job's rank 0 binds it, seconds later.
+
+    Port 0's pick comes from the kernel's ephemeral range, and so does the local port of every
+    connection any process opens (gloo opens many): between the pick and rank 0's bind another
+    process could take it, and a 2-rank test then died with 'Connection reset by peer' now and
+    then. Here the port lies outside that range, nothing listens on it now, and a claim file
+    (per user, in the temporary directory) keeps every other lmrepo process, launcher or test
+    from handing it out again for PORT_CLAIM_S."""
+    import random
+    import tempfile
+
+    ports = rendezvous_ports()
+    claims = Path(tempfile.gettempdir()) / f"lmrepo-ports-{os.getuid()}"
+    claims.mkdir(exist_ok=True)
+    start = random.randrange(len(ports)) if ports else 0
+    for i in range(len(ports)):
+        port = ports[(start + i) % len(ports)]
+        if claim_port(port, claims) and nobody_listens_on(port):
+            return port
+    with socket.socket() as s:  # no stretch outside the kernel's range: its pick, with the old window
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

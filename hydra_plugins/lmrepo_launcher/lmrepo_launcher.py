@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from lmrepo import compare
 from lmrepo.compare import read_metrics
 from lmrepo.figures import objective_value
+from lmrepo.launch import free_port
 
 log = logging.getLogger(__name__)
 
@@ -332,14 +333,6 @@ def config_flags(argv: list[str]) -> list[str]:
         ("--config-dir", args.config_dir),
     ]
     return [part for flag, value in flags if value is not None for part in (flag, value)]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_name(overrides: Sequence[str], fixed: set[str]) -> str:
