@@ -3,26 +3,29 @@
 PY := .venv/bin/python
 ARGS ?=
 
-.PHONY: setup train test lint format docs
-# OPS="shm cpu_adam async_io": also compile those DeepSpeed ops now (scripts/build_ops.py)
-OPS ?=
-setup:
+.PHONY: env setup train test test-quick lint format docs
+# env: .venv with everything lmrepo needs. setup: that, and DeepSpeed's CPU ops compiled side by
+# side once for this machine (scripts/build_ops.py; kept for every later checkout): OPS=none skips them.
+OPS ?= shm cpu_adam async_io
+env:
 	bash scripts/setup.sh
-	$(if $(OPS),$(PY) scripts/build_ops.py $(OPS))
 
-train: setup
+setup: env
+	$(if $(filter-out none,$(OPS)),$(PY) scripts/build_ops.py $(filter-out none,$(OPS)))
+
+train: env
 	$(PY) train.py $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests $(ARGS)
 
-lint: setup
+lint: env
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
-format: setup
+format: env
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
 
-docs: setup
+docs: env
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site

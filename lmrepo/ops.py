@@ -11,10 +11,19 @@ a ninja of another version discards the other's build log and builds everything 
 (a venv is one) a directory of its own and the same ninja however it was started; `announce_builds`
 says what is compiled before the minutes of silence; `skip_unused_ops` keeps a single-process run
 from building the all-reduce it never calls.
+
+A build is then kept once per machine, as pip keeps a wheel: `machine_cache` holds each op's
+library under a key of what makes it (DeepSpeed's and torch's versions, Python's, the compiler's,
+the CPU's flags, for `-march=native`), and every later checkout or venv with the same key loads
+it from there instead of compiling it again (ninja alone cannot: the sources' paths are in its
+commands, and they differ between checkouts).
 """
 
+import functools
 import hashlib
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,11 +37,11 @@ OPS = {
     "async_io": ("async_io", "file I/O for offload=nvme", (120, 510)),
     "pin_memory": (None, "pinned buffers for offload=nvme", (20, 60)),
 }
-# scripts/build_ops.py's names -> DeepSpeed's builder classes
+# scripts/build_ops.py's names -> DeepSpeed's builder classes (NVMe offload loads both of its ops)
 BUILDERS = {
-    "shm": "ShareMemCommBuilder",
-    "cpu_adam": "CPUAdamBuilder",
-    "async_io": "AsyncIOBuilder",
+    "shm": ("ShareMemCommBuilder",),
+    "cpu_adam": ("CPUAdamBuilder",),
+    "async_io": ("AsyncIOBuilder", "PinMemoryBuilder"),
 }
 
 
@@ -69,6 +78,90 @@ def is_built(name: str) -> bool:
     return any(Path(build_root(), name).glob(f"{name}*.so"))
 
 
+def machine_cache() -> Path | None:
+    """Where builds are kept for every checkout of this machine: LMREPO_OPS_CACHE (empty: nowhere,
+    every environment builds its own), else lmrepo-ops in the user's cache directory."""
+    if "LMREPO_OPS_CACHE" in os.environ:
+        return Path(os.environ["LMREPO_OPS_CACHE"]) if os.environ["LMREPO_OPS_CACHE"] else None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmrepo-ops"
+
+
+@functools.cache
+def compiler_identity() -> str:
+    """The compiler torch's builder will call (CXX, else c++), as it names itself: a wrapper that
+    hands `--version` to c++ (the tests' g++ without debug information) is the same compiler."""
+    compiler = os.environ.get("CXX") or "c++"
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (x86's `flags`, Arm's `Features`): what `-march=native` compiles for."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cache_key(name: str) -> str:
+    import deepspeed
+    import torch
+
+    made_of = [
+        name,
+        deepspeed.__version__,
+        torch.__version__,
+        str(torch.version.git_version),
+        sys.version,
+        compiler_identity(),
+        cpu_flags(),
+    ]
+    return f"{name}-{hashlib.sha1(chr(0).join(made_of).encode()).hexdigest()[:16]}"
+
+
+def cached_build(name: str) -> Path | None:
+    """This machine's kept build of op `name`, when there is one for this environment's key."""
+    cache = machine_cache()
+    path = cache / cache_key(name) / f"{name}.so" if cache else None
+    return path if path and path.is_file() else None
+
+
+def keep_build(name: str, module) -> None:
+    """Copies the library just built (or loaded from this environment's own build) into the
+    machine's cache: written aside, then renamed, so that another process never loads half."""
+    cache, built = machine_cache(), Path(getattr(module, "__file__", "") or "")
+    if cache is None or built.name != f"{name}.so" or cached_build(name):
+        return
+    target = cache / cache_key(name) / built.name
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.partial")
+        shutil.copyfile(built, partial)
+        partial.replace(target)
+    except OSError as err:  # a read-only or full cache: this environment's build still serves
+        print(
+            f"lmrepo: could not keep DeepSpeed's {name} op in {cache} ({err.strerror}); it is built per environment",
+            file=sys.stderr,
+        )
+
+
+def load_kept_build(path: Path):
+    """The op's Python module from a kept library (as torch's builder imports its own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_note(name: str) -> str:
     ours, purpose, (low, high) = OPS.get(name, (None, "a DeepSpeed op", (30, 300)))
     ahead = f"; make setup OPS={ours} builds it ahead" if ours else ""
@@ -99,7 +192,8 @@ def wait_note(name: str, lock: Path) -> str:
 
 def announce_builds() -> None:
     """One line before each op DeepSpeed compiles in this process, from the node's first rank
-    (the others wait for its build); after `pin_builds`."""
+    (the others wait for its build), and no compile where the machine's cache has the op; after
+    `pin_builds`."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     if getattr(OpBuilder.jit_load, "_lmrepo_announces", False):
@@ -107,12 +201,18 @@ def announce_builds() -> None:
     jit_load = OpBuilder.jit_load
 
     def announced_jit_load(self, verbose=True):
+        if kept := cached_build(self.name):
+            module = load_kept_build(kept)
+            OpBuilder._loaded_ops[self.name] = module  # as DeepSpeed's load keeps it
+            return module
         if os.environ.get("LOCAL_RANK", "0") == "0" and not is_built(self.name):
             lock = build_root() / self.name / "lock"
             # stderr: DeepSpeed's start runs inside quiet_prints, which holds stdout back until its end.
             # A lock: torch waits for the builder holding it, without a word.
             print(wait_note(self.name, lock) if lock.exists() else build_note(self.name), file=sys.stderr, flush=True)
-        return jit_load(self, verbose)
+        module = jit_load(self, verbose)
+        keep_build(self.name, module)
+        return module
 
     announced_jit_load._lmrepo_announces = True
     OpBuilder.jit_load = announced_jit_load
@@ -129,14 +229,29 @@ def skip_unused_ops(world_size: int) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def build(names: list[str]) -> None:
-    """Compiles the named ops now (scripts/build_ops.py, make setup OPS=...)."""
+def builders(name: str) -> list:
+    """DeepSpeed's builders of our op `name` (BUILDERS), for this machine's accelerator."""
     import deepspeed.ops.op_builder as op_builder
 
-    for name in names:
-        builder = getattr(op_builder, BUILDERS[name])()
+    return [getattr(op_builder, cls)() for cls in BUILDERS[name]]
+
+
+def missing(names: list[str]) -> list[str]:
+    """Those of our ops (BUILDERS' names) that this environment would have to compile."""
+    cache = machine_cache()
+    return [
+        name for name in names if not all(cached_build(b.name) if cache else is_built(b.name) for b in builders(name))
+    ]
+
+
+def build(name: str) -> None:
+    """Compiles op `name` now, or finds it in the machine's cache (scripts/build_ops.py)."""
+    for builder in builders(name):
         if not builder.is_compatible(verbose=False):
-            print(f"lmrepo: {name} cannot be built on this machine (DeepSpeed says it is incompatible); skipped")
+            print(
+                f"lmrepo: {builder.name} cannot be built on this machine (DeepSpeed says it is incompatible); skipped"
+            )
             continue
         builder.load(verbose=False)
-        print(f"lmrepo: {name} built in {build_root()}")
+        kept = cached_build(builder.name)
+        print(f"lmrepo: {builder.name} ready: {kept.parent if kept else build_root() / builder.name}", flush=True)

@@ -1,5 +1,6 @@
-"""DeepSpeed's JIT-built ops (lmrepo/ops.py): a directory and a ninja per interpreter, a line
-before a build, and no build a single-process run does not use."""
+"""DeepSpeed's JIT-built ops (lmrepo/ops.py): a directory and a ninja per interpreter, each build
+kept once per machine for every later environment, a line before a build, and no build a
+single-process run does not use."""
 
 import os
 import subprocess
@@ -23,10 +24,11 @@ def test_a_single_process_run_compiles_nothing(tmp_path):
     proc = run_train(
         [*TINY, "trainer.max_steps=2", "logger=none"],
         tmp_path / "run",
-        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "LMREPO_OPS_CACHE": str(tmp_path / "kept")},
     )
     assert_ok(proc)
-    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+    for built in (tmp_path / "ext", tmp_path / "kept"):
+        assert not built.exists() or not any(built.iterdir())
     assert "compiling" not in proc.stderr
 
 
@@ -37,7 +39,8 @@ def test_a_build_is_announced_before_it_compiles(tmp_path):
         "from lmrepo import ops; ops.pin_builds(); ops.announce_builds()\n"
         "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load(verbose=False)"
     )
-    proc = python(code, {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "false", "LOCAL_RANK": "0"})
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "LMREPO_OPS_CACHE": str(tmp_path / "kept")}
+    proc = python(code, {**env, "CXX": "false", "LOCAL_RANK": "0"})
     assert proc.returncode != 0
     first = next(line for line in proc.stderr.splitlines() if line.startswith("lmrepo:"))
     assert first.startswith("lmrepo: compiling DeepSpeed's deepspeed_shm_comm op"), proc.stderr[-2000:]
@@ -58,6 +61,7 @@ def test_a_wait_on_another_build_says_so_plainly(tmp_path, age_s):
         "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load(verbose=False)"
     )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "false", "LOCAL_RANK": "0"}
+    env["LMREPO_OPS_CACHE"] = ""
     proc = subprocess.Popen([PYTHON, "-c", code], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     note = next(line for line in proc.stderr if line.startswith("lmrepo:"))
     lock.unlink()  # the other build ends
@@ -89,3 +93,43 @@ def test_a_users_directory_is_kept(tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "mine")}
     code = "import os; from lmrepo import ops; ops.pin_builds(); print(os.environ['TORCH_EXTENSIONS_DIR'])"
     assert python(code, env).stdout.strip() == str(tmp_path / "mine")
+
+
+LOAD_SHM = (
+    "from lmrepo import ops; ops.pin_builds(); ops.announce_builds()\n"
+    "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; m = B().load(verbose=False)\n"
+    "print('loaded', m.__file__, callable(m.initialize))"
+)
+
+
+def test_a_build_is_kept_for_every_later_environment(tmp_path):
+    """The CPU all-reduce built once (by make setup, or here) is loaded by an environment whose
+    own build directory is empty, as a second checkout's: no compile, no line, the same library."""
+    first = python(LOAD_SHM, {"LOCAL_RANK": "0"})
+    assert first.returncode == 0, first.stderr[-2000:]
+    fresh = tmp_path / "another-checkout"
+    second = python(LOAD_SHM, {"TORCH_EXTENSIONS_DIR": str(fresh), "LOCAL_RANK": "0"})
+    assert second.returncode == 0, second.stderr[-2000:]
+    _, library, works = next(line for line in second.stdout.splitlines() if line.startswith("loaded ")).split()
+    assert works == "True"
+    assert not fresh.exists() or not any(fresh.rglob("*.so")), "compiled again"
+    assert "compiling" not in second.stderr
+    assert Path(library).parent.parent == Path(os.environ["LMREPO_OPS_CACHE"])
+
+
+def test_the_cache_key_names_what_makes_the_build(monkeypatch):
+    """Another CPU (its flags: -march=native), compiler, DeepSpeed or torch is another build."""
+    from lmrepo import ops
+
+    key = ops.cache_key("cpu_adam")
+    assert key.startswith("cpu_adam-") and key == ops.cache_key("cpu_adam")
+    monkeypatch.setattr(ops, "cpu_flags", lambda: "sse sse2")
+    assert ops.cache_key("cpu_adam") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(ops, "compiler_identity", lambda: "clang version 19")
+    assert ops.cache_key("cpu_adam") != key
+    import deepspeed
+
+    monkeypatch.undo()
+    monkeypatch.setattr(deepspeed, "__version__", "0.0.1")
+    assert ops.cache_key("cpu_adam") != key
