@@ -30,6 +30,7 @@ CONF = REPO / "conf"
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 START_RANKS = REPO / "tests" / "tools" / "start_ranks.py"
+FORK_SERVER = REPO / "tests" / "tools" / "fork_server.py"
 
 
 def pin_op_builds() -> None:
@@ -42,6 +43,10 @@ def pin_op_builds() -> None:
     rebuild them back and forth."""
     from lmrepo import ops
 
+    # The machine's cache of built ops (lmrepo/ops.py), named here so that runs given another HOME
+    # still find it; the builds make setup made are there.
+    if (cache := ops.machine_cache()) is not None:
+        os.environ["LMREPO_OPS_CACHE"] = str(cache)
     ops_dir = ops.build_root()  # train.py's, for this interpreter
     if "CXX" not in os.environ:
         os.environ["CXX"] = str(REPO / "tests" / "tools" / "g++-for-tests")
@@ -143,10 +148,16 @@ def pytest_configure(config):
 
 
 def cpu_seconds() -> float:
-    """User + system CPU of this process and of every child process it (or they) waited for."""
-    return sum(
+    """User + system CPU of this process and of every child process it (or they) waited for, and
+    of the launches the fork server ran for it (its launchers count them in a file)."""
+    own = sum(
         u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     )
+    try:
+        tally = Path(os.environ.get("LMREPO_TEST_FORK_SERVER", "") + ".cpu").read_text().split()
+    except OSError:
+        tally = []
+    return own + sum(map(float, tally))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -216,18 +227,55 @@ def token_cache(tmp_path_factory):
     return Path(cache)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(token_cache):
+    """The worker's fork server (tests/tools/fork_server.py): torch and transformers imported once,
+    every direct launch's processes forked from it. Started once the session's environment is set
+    (token_cache), since a launch in another environment is refused by it and started the old way;
+    until it is listening, launches start the old way too. LMREPO_TEST_FORK_SERVER=off: none."""
+    import shutil
+    import tempfile
+
+    if os.environ.get("LMREPO_TEST_FORK_SERVER") == "off":
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="lmrepo-forks-")  # short: a socket's path has at most 107 bytes
+    path = os.path.join(folder, "socket")
+    os.environ["LMREPO_TEST_FORK_SERVER"] = path
+    with open(os.path.join(folder, "server.log"), "w") as log:
+        server = subprocess.Popen([PYTHON, str(FORK_SERVER), path], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    yield path
+    server.terminate()
+    server.wait(timeout=60)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def fork_server_listening(path: str | None, timeout: float = 120) -> bool:
+    """Waits until the fork server at `path` is listening (for a test of the server itself)."""
+    deadline = time.monotonic() + timeout
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return bool(path) and os.path.exists(path)
+
+
 def launcher(ranks: int, via: str = "direct") -> list[str]:
-    """The command that starts a script on `ranks` CPU ranks: plain `python` for 0; else the ranks
-    started directly, one process each with the env:// variables, as srun starts them
-    (tests/tools/start_ranks.py), or `torchrun` or `deepspeed`, the launchers users type, under
+    """The command that starts a script on `ranks` CPU ranks (0: one process, as plain `python`):
+    the ranks started directly, one process each with the env:// variables, as srun starts them
+    (tests/tools/start_ranks.py, forked from the worker's fork server), or `torchrun` or
+    `deepspeed`, the launchers users type, under
     which the ranks run the same way (lmrepo.launch gives DeepSpeed's shared-memory all-reduce
     LOCAL_SIZE under each). A launcher only where the test is about it (a signal it forwards, a rank
     it ends, its exit code on a refusal, `--local_rank`, a command a user types): torchrun's agent
     imports torch before the first rank starts, and DeepSpeed's runner and launch.py each import
     all of DeepSpeed (benchmarks/bench_launchers.py measures the three)."""
-    if ranks and via == "direct":
+    if via == "direct":
         return [PYTHON, str(START_RANKS), str(ranks)]
     return launch_command(ranks, via)
+
+
+# `python`, forked from the worker's fork server (launcher(0)): for the scripts the tests run
+# (export, generate, compare, estimate), which import torch as train.py does.
+FORKED_PYTHON = [PYTHON, str(START_RANKS), "0"]
 
 
 def run_train(

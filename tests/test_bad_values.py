@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, REPO
+from conftest import FORKED_PYTHON, PYTHON, REPO
 
 CASES = [
     # model
@@ -182,7 +182,7 @@ def test_export_of_a_run_without_a_checkpoint_says_how_to_get_one(tmp_path):
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 10.0}\n')
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
+        [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
         capture_output=True,
         text=True,
         timeout=300,

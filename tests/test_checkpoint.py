@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from conftest import (
     BF16,
-    PYTHON,
+    FORKED_PYTHON,
     REPO,
     TINY,
     assert_ok,
@@ -170,7 +170,7 @@ def test_export_loads_in_transformers_with_the_runs_eval_loss(launch2, tmp_path,
     run_dir = launch2(f"zero=stage{stage}", "precision=fp32")
     out = tmp_path / "hf"
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)], capture_output=True, text=True
+        [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, summary_rows
+from conftest import FORKED_PYTHON, PYTHON, REPO, TINY, assert_ok, read_metrics, summary_rows
 
 COMPARE = str(REPO / "scripts" / "compare.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -16,7 +16,9 @@ TOKENS = "tokens/s (steady) [range]"
 
 
 def compare(*args, timeout=120, env=None):
-    return subprocess.run([PYTHON, COMPARE, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [*FORKED_PYTHON, COMPARE, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.fixture(scope="module")

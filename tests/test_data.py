@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PYTHON, REPO
+from conftest import FORKED_PYTHON, REPO
 from lmrepo.compose import load_config
 from lmrepo.data.batches import MixtureOrder, SampleOrder, eval_indices
 from lmrepo.data.corpus import read_pieces, shakespeare_files
@@ -588,7 +588,7 @@ def test_mixture_with_a_source_too_small_for_a_block(tmp_path, gpt2, two_corpora
 
 def run_script(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [PYTHON, str(REPO / "scripts" / name), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [*FORKED_PYTHON, str(REPO / "scripts" / name), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from conftest import PYTHON, REPO, compose_config
+from conftest import FORKED_PYTHON, REPO, compose_config
 from lmrepo import estimate
 from lmrepo.compose import load_config
 from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
@@ -347,7 +347,11 @@ def estimate_layout(config):
 
 def run_estimate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "estimate.py"), *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [*FORKED_PYTHON, str(REPO / "scripts" / "estimate.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

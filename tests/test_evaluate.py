@@ -28,7 +28,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU, PYTHON, REPO, TINY, assert_ok, compose_config, launcher, read_metrics, run_train, validate
+from conftest import (
+    CPU,
+    FORKED_PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    compose_config,
+    launcher,
+    read_metrics,
+    run_train,
+    validate,
+)
 from lmrepo.errors import ConfigError
 from lmrepo.tokenizer import _package_dir
 from numerics import VOCAB, assert_close, reordered_sum
@@ -163,7 +174,7 @@ def test_script_writes_json_metrics_wandb_and_compare_columns(trained, tmp_path)
 
     # scripts/compare.py: a column per task metric
     table = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "compare.py"), str(trained), "--out", str(tmp_path / "cmp")],
+        [*FORKED_PYTHON, str(REPO / "scripts" / "compare.py"), str(trained), "--out", str(tmp_path / "cmp")],
         capture_output=True,
         text=True,
         timeout=300,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import (
+    FORKED_PYTHON,
     PYTHON,
     REPO,
     TINY,
@@ -155,7 +156,7 @@ def test_a_pickle_with_a_payload_never_runs(saved, tmp_path):
     resume = run_train([*TINY, "trainer.max_steps=6", "run.resume=auto"], run_dir)
     assert resume.returncode == 2 and "holds more than weights" in one_error_line(resume)
     export = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
+        [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
         capture_output=True,
         text=True,
     )

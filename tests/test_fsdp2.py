@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import (
-    PYTHON,
+    FORKED_PYTHON,
     REPO,
     TINY,
     assert_ok,
@@ -110,7 +110,9 @@ def test_fsdp2_export_gives_the_runs_logits(launch2, tmp_path):
     for name, run_dir in (("fsdp2", fsdp2), ("deepspeed", deepspeed)):
         out = tmp_path / name
         proc = subprocess.run(
-            [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)], capture_output=True, text=True
+            [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)],
+            capture_output=True,
+            text=True,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         models[name] = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -230,7 +232,7 @@ def test_generate_runs_on_an_fsdp2_run(launch2, tmp_path):
     run_dir = launch2("engine=fsdp2", "zero=stage3")
     out = tmp_path / "out.json"
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "generate.py"), f"run={run_dir}", "prompt=ROMEO:", "max_new_tokens=4",
+        [*FORKED_PYTHON, str(REPO / "scripts" / "generate.py"), f"run={run_dir}", "prompt=ROMEO:", "max_new_tokens=4",
          f"json={out}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -640,7 +642,7 @@ def test_a_3d_checkpoint_resumes_exports_evaluates_and_generates_on_one_process(
     }
     exported = tmp_path / "hf"
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(tags["tensor"]), str(exported)],
+        [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(tags["tensor"]), str(exported)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -654,7 +656,7 @@ def test_a_3d_checkpoint_resumes_exports_evaluates_and_generates_on_one_process(
 
     out = tmp_path / "out.json"
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "generate.py"), f"run={tags['tensor']}", "prompt=ROMEO:",
+        [*FORKED_PYTHON, str(REPO / "scripts" / "generate.py"), f"run={tags['tensor']}", "prompt=ROMEO:",
          "max_new_tokens=4", f"json={out}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, read_metrics, train_losses, validate
+from conftest import FORKED_PYTHON, REPO, read_metrics, train_losses, validate
 from lmrepo.compose import compose_checked
 from lmrepo.config import ModelConfig
 from lmrepo.device import detect_device
@@ -65,7 +65,7 @@ def test_sequence_parallel_equals_data_parallel_and_resumes(launch2, tmp_path):
 
     out = tmp_path / "hf"
     export = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(split), str(out)], capture_output=True, text=True
+        [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(split), str(out)], capture_output=True, text=True
     )
     assert export.returncode == 0, export.stderr[-2000:]
     from transformers import LlamaForCausalLM

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import (
+    FORKED_PYTHON,
     PYTHON,
     REPO,
     TINY,
@@ -98,7 +99,7 @@ def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(laun
     assert all(sum(m["expert_tokens"]) == data_ranks * 4 * 32 * 2 * 2 for m in train_lines(run_dir))
     out = tmp_path / "hf"
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)], capture_output=True, text=True
+        [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(out)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -150,7 +151,7 @@ def test_a_run_with_no_mixtral_form_says_so_in_one_line(launch2, tmp_path):
     run_dir = launch2(*MOE, "zero=stage1", "model.moe.every=2", "trainer.max_steps=3")
     assert len(train_lines(run_dir)[-1]["expert_tokens"]) == 4  # one MoE block of two
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
+        [*FORKED_PYTHON, str(REPO / "scripts" / "export_hf.py"), str(run_dir), str(tmp_path / "hf")],
         capture_output=True,
         text=True,
     )

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import CPU, GPU, PYTHON, REPO, TINY, assert_ok, compose_config, read_metrics, validate
+from conftest import CPU, FORKED_PYTHON, GPU, REPO, TINY, assert_ok, compose_config, read_metrics, validate
 from lmrepo.config import load
 from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
@@ -149,7 +149,7 @@ def test_muon_equals_a_plain_torch_reference(tmp_path):
     overrides = [*TINY, "trainer.max_steps=4", *MUON_WSD, "trainer.grad_clip=0.5"]
     overrides += ["schedule.warmup_steps=0", "schedule.decay_fraction=0"]  # constant learning rates
     proc = subprocess.run(
-        [PYTHON, str(REPO / "tests/muon_probe.py"), str(tmp_path), *overrides],
+        [*FORKED_PYTHON, str(REPO / "tests/muon_probe.py"), str(tmp_path), *overrides],
         capture_output=True,
         text=True,
         timeout=600,

@@ -9,7 +9,7 @@ import optuna
 import pytest
 import yaml
 
-from conftest import PYTHON, REPO, TINY, read_metrics
+from conftest import FORKED_PYTHON, PYTHON, REPO, TINY, read_metrics
 
 
 def search(root, *overrides, timeout=900):
@@ -74,7 +74,7 @@ def test_running_the_study_again_continues_it(study):
 def test_compare_tables_and_plots_the_trials(study, tmp_path):
     study_dir, study = study
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "compare.py"), str(study_dir), "--out", str(tmp_path)],
+        [*FORKED_PYTHON, str(REPO / "scripts" / "compare.py"), str(study_dir), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,

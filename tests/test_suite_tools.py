@@ -2,18 +2,21 @@
 CPU seconds, counting the processes it ran, its wall seconds, its worker and when it ended; the
 numeric comparison every test uses (tests/numerics.py) bounds what fp32 sums in another order
 differ by, and its `--tolerance-report` lines; tools/start_ranks.py starts the ranks of the tests
-that are not about a launcher, and must end them as a launcher does."""
+that are not about a launcher, and must end them as a launcher does, whether the worker's fork
+server (tools/fork_server.py) forks them or it starts them itself."""
 
 import json
 import os
+import signal
 import subprocess
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import numerics
-from conftest import PYTHON, REPO, launcher
+from conftest import PYTHON, REPO, fork_server_listening, launcher
 from numerics import VOCAB, assert_close, relative_difference, reordered_sum
 
 IN_PROCESS = "tests/test_reference.py::test_every_key_has_a_docstring"
@@ -24,6 +27,7 @@ WITH_A_CHILD = "tests/test_estimate.py::test_script_prints_the_estimate"
 def test_cpu_report_counts_each_tests_processes(tmp_path):
     report = tmp_path / "cpu.tsv"
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}  # one process: no worker of `make test`'s
+    env["LMREPO_TEST_FORK_SERVER"] = "off"  # WITH_A_CHILD starts its process itself
     proc = subprocess.run(
         [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", IN_PROCESS, WITH_A_CHILD, f"--cpu-report={report}"],
         cwd=REPO,
@@ -38,7 +42,7 @@ def test_cpu_report_counts_each_tests_processes(tmp_path):
     }
     assert sorted(rows) == sorted([IN_PROCESS, WITH_A_CHILD])
     assert all(cpu >= 0 and wall >= 0 and worker == "-" and end > 1e9 for cpu, wall, worker, end in rows.values())
-    assert rows[WITH_A_CHILD][0] > 0.3 > rows[IN_PROCESS][0], rows
+    assert rows[WITH_A_CHILD][0] > rows[IN_PROCESS][0] + 0.5, rows  # the child imports torch: a second or more
 
 
 def test_reordered_sum_bounds_an_fp32_sum_in_any_order():
@@ -90,7 +94,7 @@ import json, os, sys, time
 from pathlib import Path
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 env = {k: os.environ[k] for k in names}
-Path(f"rank{env['RANK']}.json").write_text(json.dumps(env))
+Path(f"rank{env['RANK']}.json").write_text(json.dumps({**env, "parent": os.getppid(), "pid": os.getpid()}))
 if sys.argv[1] == "all-succeed":
     sys.exit(0)
 if env["RANK"] == sys.argv[1]:
@@ -99,22 +103,109 @@ time.sleep(600)  # a rank waiting in a collective for the one that failed
 """
 
 
-def test_ranks_started_directly_get_their_rendezvous_and_end_with_the_first_failure(tmp_path):
+def server_or_not(how: str, fork_server) -> dict:
+    """The environment of a launch that the worker's fork server runs ("forked"), or that
+    start_ranks.py starts itself ("started")."""
+    if how == "started":
+        return {**os.environ, "LMREPO_TEST_FORK_SERVER": "off"}
+    assert fork_server_listening(fork_server), "the worker's fork server is not listening"
+    return dict(os.environ)
+
+
+@pytest.mark.parametrize("how", ["forked", "started"])
+def test_ranks_started_directly_get_their_rendezvous_and_end_with_the_first_failure(tmp_path, how, fork_server):
     """Each rank has its own RANK and LOCAL_RANK, and all share the world size, the local size and
     one free master port. When a rank fails, the others (blocked in a collective, as a real job's
     would be) are ended and the launch exits with the failed rank's status: without that, the
     launch would sleep out the subprocess timeout below and fail."""
     (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    env = server_or_not(how, fork_server)
+    clients = []
 
     def start(ranks: int, how: str) -> int:
-        proc = subprocess.run([*launcher(ranks), "rank.py", how], cwd=tmp_path, capture_output=True, timeout=120)
-        return proc.returncode
+        proc = subprocess.Popen([*launcher(ranks), "rank.py", how], cwd=tmp_path, env=env)
+        clients.append(proc.pid)
+        return proc.wait(timeout=120)
 
     assert start(3, "all-succeed") == 0
     envs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    parents = {e.pop("parent") for e in envs}
+    assert len(parents) == 1 and (parents == {clients[0]}) == (how == "started"), (parents, clients)
+    for e in envs:
+        e.pop("pid")
     assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0"), ("1", "1"), ("2", "2")]
     port = envs[0]["MASTER_PORT"]
     assert {tuple(e[k] for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) for e in envs} == {
         ("3", "3", "127.0.0.1", port)
     }
     assert start(3, "2") == 3
+
+
+JOB_SCRIPT = """
+import atexit, os, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.5), print("thread joined", flush=True))).start()
+print("argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)), __name__)
+print("cwd", os.getcwd(), "mine", os.environ.get("MINE"), "rank", os.environ.get("RANK"))
+if sys.argv[1] == "fail":
+    raise ValueError("the job's own error")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("ending", ["0", "5", "fail"])
+def test_a_forked_process_runs_its_script_as_plain_python_does(tmp_path, ending, fork_server):
+    """One process (0 ranks) from the fork server and from plain `python`: the same output, exit
+    status and last traceback line; its threads joined and atexit run at the end."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB_SCRIPT)
+    assert fork_server_listening(fork_server)
+    forked = subprocess.run(
+        [*launcher(0), str(script), ending], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    plain = subprocess.run([PYTHON, str(script), ending], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (forked.returncode, forked.stdout) == (plain.returncode, plain.stdout)
+    assert "thread joined" in forked.stdout and forked.stdout.rstrip().endswith("atexit ran")
+    assert forked.stderr.splitlines()[-1:] == plain.stderr.splitlines()[-1:]
+    if ending == "fail":
+        assert "ValueError: the job's own error" in forked.stderr
+
+
+def test_a_launch_in_another_environment_is_started_by_its_client(tmp_path, fork_server):
+    """The server imported torch in the session's environment: a launch with another variable
+    (it could change what an import reads) starts its own process, and sees its variable."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB_SCRIPT)
+    assert fork_server_listening(fork_server)
+    env = {**os.environ, "MINE": "set"}
+    proc = subprocess.Popen([*launcher(0), str(script), "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "mine set" in out
+
+
+def test_the_ranks_of_a_killed_client_end_with_it(tmp_path, fork_server):
+    """A test's timeout kills start_ranks.py: the ranks the server forked for it end too, instead
+    of holding their port and cores until the session ends."""
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    assert fork_server_listening(fork_server)
+    proc = subprocess.Popen([*launcher(2), "rank.py", "none-fails"], cwd=tmp_path)
+    files = [tmp_path / f"rank{r}.json" for r in range(2)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    pids = [json.loads(f.read_text())["pid"] for f in files]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "ranks outlived their killed client"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

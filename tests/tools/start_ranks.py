@@ -13,12 +13,20 @@ What a launcher owes its ranks, as torchrun does it: when a rank fails, the othe
 is the first failed rank's; SIGTERM and SIGINT to this process are passed on to every rank; a rank
 dies with this process if it is killed (a test's timeout), not left behind holding the port.
 
-Usage: python start_ranks.py N SCRIPT [ARGS...]
+In the test suite the ranks come from the worker's fork server (tools/fork_server.py, named by
+LMREPO_TEST_FORK_SERVER), which has imported torch and transformers once: this process hands it
+its standard streams and the launch, passes signals on, and exits with the launch's status. A
+launch the server refuses (another environment), or with no server, starts its ranks here.
+
+Usage: python start_ranks.py N SCRIPT [ARGS...]   (N = 0: one process without rank variables, as
+plain `python SCRIPT`)
 """
 
 import ctypes
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,8 +56,44 @@ def end(ranks: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
             proc.wait()
 
 
+def through_fork_server(n: int, command: list[str], port: str) -> int | None:
+    """The launch run by the fork server: its exit status, or None when there is no server or it
+    refused the launch (nothing has started then)."""
+    path = os.environ.get("LMREPO_TEST_FORK_SERVER")
+    if not path or command[0].startswith("-"):  # the server runs script files, not -c or -m
+        return None
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        server.connect(path)
+    except OSError:
+        return None
+    request = {"argv": command, "ranks": n, "env": dict(os.environ), "cwd": os.getcwd(), "port": port}
+    socket.send_fds(server, [json.dumps(request).encode()], [0, 1, 2])
+    answer = server.recv(64).decode()
+    if not answer.startswith("pid "):
+        return None
+    launcher = int(answer.split()[1])
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, _frame: os.kill(launcher, signum))
+    answer = server.recv(64).decode()
+    if not answer.startswith("exit "):
+        print("start_ranks: the fork server's launcher ended without an exit status", file=sys.stderr)
+        return 1
+    code = int(answer.split()[1])
+    if code < 0:  # one process killed by a signal: end the same way, as plain `python` would have
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
 def main(n: int, command: list[str]) -> int:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    port = str(free_port()) if n else ""
+    code = through_fork_server(n, command, port)
+    if code is not None:
+        return code
+    if n == 0:
+        os.execv(sys.executable, [sys.executable, *command])
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     env |= {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
     ranks = [
         subprocess.Popen(

@@ -1,0 +1,247 @@
+"""The suite's fork server: imports torch and transformers once per pytest worker, then forks the
+processes of every launch that tools/start_ranks.py hands it, so that no test's ranks pay those
+imports again (~3-7 CPU-s a process, most of a TINY rank's start: tests/README.md).
+
+Each launch gets new processes, forked from a server that has imported and nothing more: no
+model, engine, process group, thread pool or environment of an earlier test lives on in them
+(the torch.multiprocessing "forkserver" idea; DeepSpeed's own tests reuse whole processes
+instead, which lets one test's state reach the next). Per launch:
+
+    client (start_ranks.py) --fds 0,1,2 + {argv, ranks, env, cwd}--> server
+    server --fork--> launcher --fork--> rank 0 .. rank N-1  (runs the script as `python SCRIPT`)
+
+The launcher does what start_ranks.py does for the ranks it starts itself: the rendezvous
+variables, SIGTERM/SIGINT passed on to every rank, the others ended when one fails, the first
+failure's exit status; it also ends the ranks when its client goes (a test's timeout killed it).
+A rank runs the script at the top of this file's main module, after the server's frames have
+returned, so that the interpreter ends it exactly as it ends `python SCRIPT`: exit status,
+traceback, non-daemon threads joined, atexit, finalizers.
+
+What a fork cannot give a launch is an environment other than the server's where it matters at
+import: a launch whose environment differs from the server's in anything but the rendezvous
+variables is refused, and start_ranks.py starts it as before. Library notices printed at import
+would be printed once by the server and never by a launch: only modules that print nothing at
+import are imported here (DeepSpeed prints its accelerator at import, and train.py's quieting of
+it is under test; so are lmrepo's own modules).
+
+Usage: python fork_server.py SOCKET   (conftest.py starts one per pytest worker)
+"""
+
+import ctypes
+import gc
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+GRACE_S = 30  # as start_ranks.py: torchrun's and DeepSpeed's launcher's wait between SIGTERM and SIGKILL
+# The variables a launch may set otherwise than the server's environment: those a launch sets per
+# rank, those pytest sets in its worker as it goes, and those that no module imported here reads at
+# import (torch reads these when called; DeepSpeed, W&B and lmrepo are imported by the job).
+PER_LAUNCH = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+PER_LAUNCH |= {"PYTEST_CURRENT_TEST", "COLUMNS", "LINES"}
+PER_LAUNCH |= {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+NOT_IMPORTED_HERE = ("LMREPO_", "DS_", "DEEPSPEED_", "WANDB_")
+PREIMPORTED = ("torch", "transformers", "transformers.modeling_utils", "numpy", "scipy.stats", "hydra", "omegaconf")
+
+
+def die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Rank:
+    """A forked process of a launch, with the part of subprocess.Popen's interface that ending
+    a launch uses."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def wait_until(self, deadline: float) -> bool:
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+def end(ranks: list[Rank], signum: int = signal.SIGTERM) -> None:
+    """Sends `signum` to the ranks still running, then SIGKILL to those alive after GRACE_S."""
+    for rank in ranks:
+        rank.send_signal(signum)
+    deadline = time.monotonic() + GRACE_S
+    for rank in ranks:
+        if not rank.wait_until(deadline):
+            rank.send_signal(signal.SIGKILL)
+            rank.wait_until(float("inf"))
+
+
+class Job:
+    """What a rank runs, set up in the forked process as `python SCRIPT ARGS` would find it."""
+
+    def __init__(self, request: dict, env: dict, fds: list[int]):
+        self.argv, self.env, self.cwd, self.fds = request["argv"], env, request["cwd"], fds
+
+    def enter(self) -> None:
+        die_with_parent()
+        for target, fd in enumerate(self.fds):
+            os.dup2(fd, target)
+        for fd in self.fds:
+            if fd > 2:
+                os.close(fd)
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sys.argv = list(self.argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(self.argv[0]))
+
+
+def rank_envs(request: dict) -> list[dict]:
+    """Each rank's environment: the client's, with the rendezvous variables of start_ranks.py
+    (none for 0 ranks: one process, as plain `python`)."""
+    written_by_imports = {k: v for k, v in os.environ.items() if k not in STARTED_WITH}
+    env, n = {**written_by_imports, **request["env"]}, request["ranks"]
+    if n == 0:
+        return [env]
+    shared = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": request["port"],
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+    }
+    return [{**env, **shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(n)]
+
+
+def launch(conn: socket.socket, request: dict, fds: list[int], cpu_tally: str) -> Job:
+    """In the launcher: forks the ranks and supervises them until they end (then exits), or, in
+    a rank, returns its job."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    ranks = []
+    for env in rank_envs(request):
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            return Job(request, env, fds)
+        ranks.append(Rank(pid))
+    for fd in fds:
+        os.close(fd)
+
+    def pass_on(signum, _frame):
+        end(ranks, signum)
+        finish(conn, 128 + signum, cpu_tally)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    signal.signal(signal.SIGINT, pass_on)
+    conn.sendall(f"pid {os.getpid()}".encode())
+    while True:
+        codes = [rank.poll() for rank in ranks]
+        failed = next((code for code in codes if code), None)
+        if failed is not None:
+            end(ranks)
+            if len(ranks) > 1 and failed < 0:
+                failed = 128 - failed  # a rank killed by signal S: 128 + S, as a shell says (start_ranks.py)
+            finish(conn, failed, cpu_tally)  # one process: as it ended (the client ends the same way)
+        if all(code == 0 for code in codes):
+            finish(conn, 0, cpu_tally)
+        if select.select([conn], [], [], 0.1)[0] and not conn.recv(64):  # the client is gone
+            end(ranks, signal.SIGKILL)
+            finish(conn, 137, cpu_tally)
+
+
+def finish(conn: socket.socket, code: int, cpu_tally: str) -> None:
+    """The launch's end: its CPU seconds (its ranks', reaped here) counted for --cpu-report, its
+    exit status to the client."""
+    used = sum(
+        u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+    with open(cpu_tally, "a") as f:
+        f.write(f"{used:.2f}\n")
+    try:
+        conn.sendall(f"exit {code}".encode())
+    except OSError:
+        pass
+    os._exit(code & 0xFF)
+
+
+STARTED_WITH = dict(os.environ)  # before the imports, some of which set variables (inductor its cache's)
+
+
+def other_environment(env: dict) -> set[str]:
+    """The variables in which a launch with `env` would see at import what the server did not."""
+    changed = {k for k in STARTED_WITH.keys() | env.keys() if STARTED_WITH.get(k) != env.get(k)}
+    return {k for k in changed if k not in PER_LAUNCH and not k.startswith(NOT_IMPORTED_HERE)}
+
+
+def serve(path: str) -> Job:
+    """Answers launches until the pytest worker that started it goes; returns only in a rank."""
+    for module in PREIMPORTED:
+        __import__(module)
+    # The imports' ~600k objects out of every later collection, as train.py does after its imports:
+    # a collection in a fork would otherwise touch, and so copy, every page of them.
+    gc.collect()
+    gc.freeze()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(16)
+    parent, cpu_tally = os.getppid(), path + ".cpu"
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select; launchers are reaped below
+    while os.getppid() == parent:
+        while True:  # reap finished launchers
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not select.select([listener], [], [], 1.0)[0]:
+            continue
+        conn, _ = listener.accept()
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        if len(fds) != 3 or (changed := other_environment(request["env"])):
+            print(
+                f"fork server: {request['argv'][0]} started by its client: "
+                f"its environment differs in {sorted(changed)}",
+                flush=True,
+            )
+            conn.sendall(b"start it yourself")
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:
+            listener.close()
+            return launch(conn, request, fds, cpu_tally)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    die_with_parent()
+    job = serve(sys.argv[1])
+    job.enter()
+    del job
+    import runpy
+
+    runpy.run_path(sys.argv[0], run_name="__main__")
