@@ -164,10 +164,11 @@ def load_kept_build(path: Path):
 
 def build_note(name: str) -> str:
     ours, purpose, (low, high) = OPS.get(name, (None, "a DeepSpeed op", (30, 300)))
-    ahead = f"; make setup OPS={ours} builds it ahead" if ours else ""
+    # make setup alone builds them all; it says so itself (LMREPO_BUILDING_AHEAD)
+    ahead = f"; make setup OPS={ours} builds it ahead" if ours and not os.environ.get("LMREPO_BUILDING_AHEAD") else ""
     low, high = max(1, low // 60), -(-high // 60)
     minutes = f"{low}-{high} min" if low < high else f"about {high} min"
-    return f"lmrepo: compiling DeepSpeed's {name} op ({purpose}) once for this environment: {minutes} on 2 cores{ahead}"
+    return f"lmrepo: compiling DeepSpeed's {name} op ({purpose}) once for this machine: {minutes} on 2 cores{ahead}"
 
 
 def wait_note(name: str, lock: Path) -> str:

@@ -34,9 +34,13 @@ def build_one(name: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("ops", nargs="*", choices=sorted(ops.BUILDERS), metavar="OP", help=" | ".join(ops.BUILDERS))
+    parser.add_argument("ops", nargs="*", metavar="OP", help=" | ".join(ops.BUILDERS) + " (default: all)")
     parser.add_argument("--one", choices=sorted(ops.BUILDERS), help=argparse.SUPPRESS)  # a worker of the parallel build
     args = parser.parse_args()
+    if unknown := [name for name in args.ops if name not in ops.BUILDERS]:
+        parser.error(
+            f"unknown op {unknown[0]!r}: choose from {', '.join(ops.BUILDERS)}"
+        )  # argparse's choices refuse []
     if args.one:
         build_one(args.one)
         return 0
@@ -54,7 +58,7 @@ def main() -> int:
         f"(up to ~{-(-high // 60)} min on 2 cores; kept in {ops.machine_cache() or ops.build_root()})",
         flush=True,
     )
-    env = dict(os.environ)
+    env = {**os.environ, "LMREPO_BUILDING_AHEAD": "1"}  # the workers' lines do not send the user to make setup
     env.setdefault("CXX", str(FAST_CXX))
     workers = [subprocess.Popen([sys.executable, __file__, "--one", name], env=env) for name in to_build]
     failed = [name for name, worker in zip(to_build, workers) if worker.wait() != 0]
