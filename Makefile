@@ -19,6 +19,10 @@ train: env
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests $(ARGS)
 
+# A contributor's loop: the in-process files and one real case of each engine (tests/conftest.py's QUICK_FILES).
+test-quick: setup
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m quick tests $(ARGS)
+
 lint: env
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .

@@ -120,9 +120,35 @@ HEAVIEST_FIRST = (
 )
 
 
+# `make test-quick` (-m quick): the files that check in process (configs, rules, arithmetic, data,
+# messages, the suite's own tools), and one real case of each engine and of a single process.
+QUICK_FILES = (
+    "test_architecture.py",
+    "test_config.py",
+    "test_cpu_malloc.py",
+    "test_data.py",
+    "test_estimate.py",
+    "test_ops.py",
+    "test_ports.py",
+    "test_reference.py",
+    "test_startup.py",
+    "test_suite_tools.py",
+)
+ONE_CASE_EACH = (
+    "test_train.py::test_default_job_writes_the_run_directory_contract",  # one process
+    "test_distributed.py::test_zero_stages_agree_fp32[2]",  # DeepSpeed ZeRO-2 against ZeRO-0, 2 ranks
+    "test_fsdp2.py::test_fsdp2_equals_one_process",  # FSDP2, 2 ranks
+    "test_pipeline.py::test_gpt2_pipeline_matches_data_parallel",  # DeepSpeed's PipelineModule
+    "test_pipelining.py::test_schedule_matches_no_pipeline[gpipe]",  # torch's pipelining
+)
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    for item in items:
+        if item.path.name in QUICK_FILES or item.nodeid.split("/")[-1] in ONE_CASE_EACH:
+            item.add_marker(pytest.mark.quick)
 
 
 def pytest_addoption(parser):

@@ -63,13 +63,13 @@ def through_fork_server(n: int, command: list[str], port: str) -> int | None:
     if not path or command[0].startswith("-"):  # the server runs script files, not -c or -m
         return None
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    request = {"argv": command, "ranks": n, "env": dict(os.environ), "cwd": os.getcwd(), "port": port}
     try:
         server.connect(path)
-    except OSError:
+        socket.send_fds(server, [json.dumps(request).encode()], [0, 1, 2])  # a closed stream: EBADF
+        answer = server.recv(64).decode()
+    except OSError:  # no server listening (yet), or it went: nothing has started
         return None
-    request = {"argv": command, "ranks": n, "env": dict(os.environ), "cwd": os.getcwd(), "port": port}
-    socket.send_fds(server, [json.dumps(request).encode()], [0, 1, 2])
-    answer = server.recv(64).decode()
     if not answer.startswith("pid "):
         return None
     launcher = int(answer.split()[1])
