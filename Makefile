@@ -6,7 +6,7 @@ ARGS ?=
 .PHONY: env setup train test test-quick lint format docs
 # env: .venv with everything lmrepo needs. setup: that, and DeepSpeed's CPU ops compiled side by
 # side once for this machine (scripts/build_ops.py; kept for every later checkout): OPS=none skips them.
-OPS ?= shm cpu_adam async_io
+OPS ?= shm cpu_adam async_io fused_adam
 env:
 	bash scripts/setup.sh
 

@@ -35,6 +35,7 @@ OPS = {
     "deepspeed_shm_comm": ("shm", "CPU all-reduce between ranks", (30, 190)),
     "cpu_adam": ("cpu_adam", "CPU Adam, for offload=cpu and offload=nvme", (60, 280)),
     "async_io": ("async_io", "file I/O for offload=nvme", (120, 510)),
+    "fused_adam": ("fused_adam", "DeepSpeed's own Adam, for a DeepSpeed JSON that asks for its keys", (40, 180)),
     "pin_memory": (None, "pinned buffers for offload=nvme", (20, 60)),
 }
 # scripts/build_ops.py's names -> DeepSpeed's builder classes (NVMe offload loads both of its ops)
@@ -42,6 +43,7 @@ BUILDERS = {
     "shm": ("ShareMemCommBuilder",),
     "cpu_adam": ("CPUAdamBuilder",),
     "async_io": ("AsyncIOBuilder", "PinMemoryBuilder"),
+    "fused_adam": ("FusedAdamBuilder",),
 }
 
 

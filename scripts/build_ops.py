@@ -1,10 +1,11 @@
 """Compiles DeepSpeed's C++ ops for this machine now, side by side, so that no run waits for them.
 
-    python scripts/build_ops.py                       # shm cpu_adam async_io: what make setup runs
+    python scripts/build_ops.py                       # shm cpu_adam async_io fused_adam: what make setup runs
     python scripts/build_ops.py shm                   # or only some
 
 shm: the CPU all-reduce every multi-rank CPU run uses; cpu_adam: offload=cpu and offload=nvme;
-async_io: offload=nvme (needs libaio). Each takes one to a few minutes on 2 cores, once per
+async_io: offload=nvme (needs libaio); fused_adam: a DeepSpeed JSON whose Adam asks for DeepSpeed's
+own keys. Each takes one to a few minutes on 2 cores, once per
 machine: the builds are kept in the machine's cache (lmrepo/ops.py says where and under which
 key), and every later checkout or venv with the same DeepSpeed, torch, compiler and CPU loads
 them from there. A run that needs an op not built yet says so in one line before compiling it.

@@ -254,7 +254,7 @@ def token_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def fork_server(token_cache):
+def fork_server(token_cache, tmp_path_factory):
     """The worker's fork server (tests/tools/fork_server.py): torch and transformers imported once,
     every direct launch's processes forked from it. Started once the session's environment is set
     (token_cache), since a launch in another environment is refused by it and started the old way;
@@ -268,7 +268,9 @@ def fork_server(token_cache):
     folder = tempfile.mkdtemp(prefix="lmrepo-forks-")  # short: a socket's path has at most 107 bytes
     path = os.path.join(folder, "socket")
     os.environ["LMREPO_TEST_FORK_SERVER"] = path
-    with open(os.path.join(folder, "server.log"), "w") as log:
+    # Its log (each launch it left to start_ranks.py, and why) stays with the session's temporary files.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(shared_temp(tmp_path_factory) / f"fork-server-{worker}.log", "w") as log:
         server = subprocess.Popen([PYTHON, str(FORK_SERVER), path], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     yield path
     server.terminate()

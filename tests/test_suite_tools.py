@@ -147,6 +147,7 @@ atexit.register(lambda: print("atexit ran", flush=True))
 threading.Thread(target=lambda: (time.sleep(0.5), print("thread joined", flush=True))).start()
 print("argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)), __name__)
 print("cwd", os.getcwd(), "mine", os.environ.get("MINE"), "rank", os.environ.get("RANK"))
+print("pid", os.getpid(), "offline", os.environ.get("HF_HUB_OFFLINE"))
 if sys.argv[1] == "fail":
     raise ValueError("the job's own error")
 sys.exit(int(sys.argv[1]))
@@ -164,7 +165,11 @@ def test_a_forked_process_runs_its_script_as_plain_python_does(tmp_path, ending,
         [*launcher(0), str(script), ending], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     plain = subprocess.run([PYTHON, str(script), ending], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert (forked.returncode, forked.stdout) == (plain.returncode, plain.stdout)
+
+    def same(out: str) -> list[str]:
+        return [line for line in out.splitlines() if not line.startswith("pid ")]
+
+    assert (forked.returncode, same(forked.stdout)) == (plain.returncode, same(plain.stdout))
     assert "thread joined" in forked.stdout and forked.stdout.rstrip().endswith("atexit ran")
     assert forked.stderr.splitlines()[-1:] == plain.stderr.splitlines()[-1:]
     if ending == "fail":
@@ -172,15 +177,28 @@ def test_a_forked_process_runs_its_script_as_plain_python_does(tmp_path, ending,
 
 
 def test_a_launch_in_another_environment_is_started_by_its_client(tmp_path, fork_server):
-    """The server imported torch in the session's environment: a launch with another variable
-    (it could change what an import reads) starts its own process, and sees its variable."""
+    """The server imported torch and transformers in the session's environment: a launch that sets
+    a variable they read at import otherwise (Hugging Face's offline switch) runs in a process of
+    its own, which sees it; a variable no import of the server reads (a test's own) is forked
+    and seen."""
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
     assert fork_server_listening(fork_server)
-    env = {**os.environ, "MINE": "set"}
-    proc = subprocess.Popen([*launcher(0), str(script), "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "mine set" in out
+
+    def run(**extra: str) -> tuple[int, str]:
+        env = {**os.environ, **extra}
+        proc = subprocess.Popen(
+            [*launcher(0), str(script), "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+        )
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        return proc.pid, out
+
+    offline = "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"
+    client, out = run(HF_HUB_OFFLINE=offline)
+    assert f"pid {client} offline {offline}" in out, "not a process of its own"
+    client, out = run(MINE="set")
+    assert "mine set" in out and f"pid {client} " not in out, "not forked"
 
 
 def test_the_ranks_of_a_killed_client_end_with_it(tmp_path, fork_server):

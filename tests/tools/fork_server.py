@@ -18,8 +18,10 @@ returned, so that the interpreter ends it exactly as it ends `python SCRIPT`: ex
 traceback, non-daemon threads joined, atexit, finalizers.
 
 What a fork cannot give a launch is an environment other than the server's where it matters at
-import: a launch whose environment differs from the server's in anything but the rendezvous
-variables is refused, and start_ranks.py starts it as before. Library notices printed at import
+import: a launch whose environment differs from the server's in a variable that the imports here
+could read (READ_AT_IMPORT: torch's, the thread pools', Hugging Face's, HOME, ...) is refused, and
+start_ranks.py starts it as before; other variables (a test's own, lmrepo's, W&B's, DeepSpeed's,
+none of them imported here) are simply the launch's. Library notices printed at import
 would be printed once by the server and never by a launch: only modules that print nothing at
 import are imported here (DeepSpeed prints its accelerator at import, and train.py's quieting of
 it is under test; so are lmrepo's own modules).
@@ -40,13 +42,16 @@ import time
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 30  # as start_ranks.py: torchrun's and DeepSpeed's launcher's wait between SIGTERM and SIGKILL
-# The variables a launch may set otherwise than the server's environment: those a launch sets per
-# rank, those pytest sets in its worker as it goes, and those that no module imported here reads at
-# import (torch reads these when called; DeepSpeed, W&B and lmrepo are imported by the job).
-PER_LAUNCH = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-PER_LAUNCH |= {"PYTEST_CURRENT_TEST", "COLUMNS", "LINES"}
-PER_LAUNCH |= {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
-NOT_IMPORTED_HERE = ("LMREPO_", "DS_", "DEEPSPEED_", "WANDB_")
+# The variables that the modules imported here (PREIMPORTED), or the libraries they load, could read
+# at import: a launch that sets one of them otherwise than the server starts its own processes.
+READ_AT_IMPORT = (
+    *("TORCH", "PYTORCH", "ATEN", "ONEDNN", "DNNL", "CUDA", "NVIDIA", "NCCL", "XLA"),
+    *("OMP_", "GOMP", "KMP_", "MKL", "OPENBLAS", "GOTO", "BLIS", "NPY", "NUMPY", "SCIPY"),
+    *("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "USE_TORCH", "USE_TF", "USE_JAX"),
+    *("HOME", "XDG_", "TMP", "TEMP", "PYTHON", "LD_", "LC_", "LANG", "TZ"),
+)
+# ... of which these are read only when called (torch's compile cache, its CUDA check): no refusal.
+READ_WHEN_CALLED = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_EXTENSIONS_DIR"}
 PREIMPORTED = ("torch", "transformers", "transformers.modeling_utils", "numpy", "scipy.stats", "hydra", "omegaconf")
 
 
@@ -187,7 +192,7 @@ STARTED_WITH = dict(os.environ)  # before the imports, some of which set variabl
 def other_environment(env: dict) -> set[str]:
     """The variables in which a launch with `env` would see at import what the server did not."""
     changed = {k for k in STARTED_WITH.keys() | env.keys() if STARTED_WITH.get(k) != env.get(k)}
-    return {k for k in changed if k not in PER_LAUNCH and not k.startswith(NOT_IMPORTED_HERE)}
+    return {k for k in changed if k.startswith(READ_AT_IMPORT) and k not in READ_WHEN_CALLED}
 
 
 def serve(path: str) -> Job:
