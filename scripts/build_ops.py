@@ -21,13 +21,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmrepo import ops
+from lmrepo import ops, quiet
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_CXX = REPO / "tests" / "tools" / "g++-for-tests"
 
 
 def build_one(name: str) -> None:
+    quiet.install()  # not DeepSpeed's accelerator notice from each worker
     ops.pin_builds()
     ops.announce_builds()
     ops.build(name)

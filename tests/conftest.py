@@ -278,6 +278,22 @@ def fork_server(token_cache, tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """Each test leaves the worker's environment as it found it. In-process code sets variables for
+    good (lmrepo's evaluation sets HF_HUB_OFFLINE, lm-eval's import KMP_DUPLICATE_LIB_OK,
+    huggingface_hub's HF_XET_HIGH_PERFORMANCE): every later test's runs would inherit them, other
+    runs than the same test run alone gets, and the fork server refuses launches whose import-time
+    variables differ from its own. pytest's own variable stays pytest's to remove."""
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[name]
+    for name, value in before.items():
+        if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 def fork_server_listening(path: str | None, timeout: float = 120) -> bool:
     """Waits until the fork server at `path` is listening (for a test of the server itself)."""
     deadline = time.monotonic() + timeout
