@@ -34,25 +34,17 @@ FORK_SERVER = REPO / "tests" / "tools" / "fork_server.py"
 
 
 def pin_op_builds() -> None:
-    """Where and how this session's runs JIT-build DeepSpeed's ops (shm all-reduce, CPU Adam,
-    async I/O), fixed once in the environment every run inherits, also runs given another HOME
-    (rebuilding under it would add a minute to every process). Unless the user set CXX: the same
-    sources and flags without debug information and with torch's header parsed once per op
-    (tests/tools/g++-for-tests; benchmarks/bench_op_build.py measures it), in a directory of its
-    own, since ninja rebuilds an op whose compile command changed and sharing train.py's would
-    rebuild them back and forth."""
+    """Where this session's runs find DeepSpeed's ops (shm all-reduce, CPU Adam, async I/O), fixed
+    once in the environment every run inherits, also runs given another HOME (rebuilding under it
+    would add a minute to every process): the machine's cache, where `make setup` built them
+    (scripts/build_ops.py, with tools/g++-for-tests), and train.py's build directory for any op
+    the cache lacks. CXX is left alone: inductor compiles with it too, and the wrapper, a Python
+    script, cost a process start per compile of every compiled case."""
     from lmrepo import ops
 
-    # The machine's cache of built ops (lmrepo/ops.py), named here so that runs given another HOME
-    # still find it; the builds make setup made are there.
     if (cache := ops.machine_cache()) is not None:
         os.environ["LMREPO_OPS_CACHE"] = str(cache)
-    ops_dir = ops.build_root()  # train.py's, for this interpreter
-    if "CXX" not in os.environ:
-        os.environ["CXX"] = str(REPO / "tests" / "tools" / "g++-for-tests")
-        if "TORCH_EXTENSIONS_DIR" not in os.environ:
-            ops_dir = Path(f"{ops_dir}-without-debug-info")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(ops_dir)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(ops.build_root())  # train.py's, for this interpreter
     # This interpreter's ninja first on PATH for every process the tests start, as train.py's
     # pin_builds does for its own: a process that builds an op without it (a benchmark's worker,
     # a probe) took the system's ninja when the suite ran without the venv activated, and two
