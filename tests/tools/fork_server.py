@@ -29,7 +29,6 @@ it is under test; so are lmrepo's own modules).
 Usage: python fork_server.py SOCKET   (conftest.py starts one per pytest worker)
 """
 
-import ctypes
 import gc
 import json
 import os
@@ -37,11 +36,12 @@ import resource
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 
-PR_SET_PDEATHSIG = 1
-GRACE_S = 30  # as start_ranks.py: torchrun's and DeepSpeed's launcher's wait between SIGTERM and SIGKILL
+from start_ranks import die_with_parent, end  # this folder: a launch is ended as start_ranks.py ends one
+
 # The variables that the modules imported here (PREIMPORTED), or the libraries they load, could read
 # at import: a launch that sets one of them otherwise than the server starts its own processes.
 READ_AT_IMPORT = (
@@ -55,13 +55,9 @@ READ_WHEN_CALLED = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", 
 PREIMPORTED = ("torch", "transformers", "transformers.modeling_utils", "numpy", "scipy.stats", "hydra", "omegaconf")
 
 
-def die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class Rank:
-    """A forked process of a launch, with the part of subprocess.Popen's interface that ending
-    a launch uses."""
+    """A forked process of a launch, with the part of subprocess.Popen's interface that
+    start_ranks.end uses to end a launch."""
 
     def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
@@ -77,23 +73,16 @@ class Rank:
         if self.poll() is None:
             os.kill(self.pid, signum)
 
-    def wait_until(self, deadline: float) -> bool:
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         while self.poll() is None:
             if time.monotonic() > deadline:
-                return False
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
             time.sleep(0.05)
-        return True
-
-
-def end(ranks: list[Rank], signum: int = signal.SIGTERM) -> None:
-    """Sends `signum` to the ranks still running, then SIGKILL to those alive after GRACE_S."""
-    for rank in ranks:
-        rank.send_signal(signum)
-    deadline = time.monotonic() + GRACE_S
-    for rank in ranks:
-        if not rank.wait_until(deadline):
-            rank.send_signal(signal.SIGKILL)
-            rank.wait_until(float("inf"))
+        return self.returncode
 
 
 class Job:

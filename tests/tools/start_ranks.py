@@ -31,8 +31,6 @@ import subprocess
 import sys
 import time
 
-from lmrepo.launch import free_port
-
 GRACE_S = 30  # torchrun's and DeepSpeed's launcher's wait between SIGTERM and SIGKILL
 PR_SET_PDEATHSIG = 1
 
@@ -87,6 +85,8 @@ def through_fork_server(n: int, command: list[str], port: str) -> int | None:
 
 
 def main(n: int, command: list[str]) -> int:
+    from lmrepo.launch import free_port  # here: the fork server imports this file's helpers, not lmrepo
+
     port = str(free_port()) if n else ""
     code = through_fork_server(n, command, port)
     if code is not None:
