@@ -333,6 +333,14 @@ class ActivationCount:
     last: float  # what comes after them (the final norm, the output layer, the loss): the last stage's
 
 
+def vocabulary_rows(vocab: int, tp: int, tp_rank: int) -> int:
+    """The rows of a head split by vocabulary (Shard(0), torch.chunk's split) that tensor-parallel
+    rank `tp_rank` holds: ceil(vocab / tp) each, the last ranks what is left (257 over 2: 129 and
+    128; over 4: 65, 65, 65, 62)."""
+    chunk = -(-vocab // tp)
+    return max(0, min(chunk, vocab - tp_rank * chunk))
+
+
 def counted_activations(
     model_cfg,
     micro: int,
@@ -345,6 +353,7 @@ def counted_activations(
     autocast: bool = False,
     sequence_parallel: bool = False,
     vocabulary_parallel: bool = False,
+    tp_rank: int = 0,
 ) -> ActivationCount | None:
     """What one rank's forward of one micro batch saves for backward, counted on fake tensors (no
     memory, no compute; the kernels a CPU run picks, fused attention among them) by
@@ -354,12 +363,13 @@ def counted_activations(
     the MLP's width / tp; the norms and the residual stream whole), as torch's and DeepSpeed's
     plans compute it; with `sequence_parallel` (engine=fsdp2's) what the norms keep is one rank's
     tokens of it (the blocks' linears keep their inputs whole, all-gathered), with
-    `vocabulary_parallel` the head's and the loss's one rank's share of the vocabulary (the larger
-    one, rank 0's, where it does not divide). Ulysses sequence parallelism over `sp` ranks: seq / sp
-    tokens of everything (inside attention all seq tokens of heads / sp: the same bytes). None for a mixture of
-    experts (DeepSpeed-MoE's layers need process groups to be built). A 16-bit `dtype` is the
-    parameters' (DeepSpeed, FSDP2's mixed precision), or with `autocast` torch.autocast's over fp32
-    ones (the torch pipeline; the CPU's autocast lists, which differ a little from CUDA's)."""
+    `vocabulary_parallel` the head's and the loss's share of the vocabulary of tensor-parallel rank
+    `tp_rank` (0's is the largest where the ranks' shares are uneven: vocabulary_rows). Ulysses
+    sequence parallelism over `sp` ranks: seq / sp tokens of everything (inside attention all seq
+    tokens of heads / sp: the same bytes). None for a mixture of experts (DeepSpeed-MoE's layers
+    need process groups to be built). A 16-bit `dtype` is the parameters' (DeepSpeed, FSDP2's mixed
+    precision), or with `autocast` torch.autocast's over fp32 ones (the torch pipeline; the CPU's
+    autocast lists, which differ a little from CUDA's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lmrepo.engines.torch_pipeline import build_layer
@@ -395,8 +405,8 @@ def counted_activations(
                     loss = pipe.LMLoss(model_cfg.family, config.vocab_size)(hidden, ids)  # held: its graph stays
                     after = [held[1], held[2], saved.live]  # the layers: the embeddings, the blocks, ...
                 else:
-                    if vocabulary_parallel:  # rank 0's rows of the head (the most), lmrepo's loss as the engine runs it
-                        rows = -(-config.vocab_size // tp)
+                    if vocabulary_parallel:  # the rank's rows of the head, lmrepo's loss as the engine runs it
+                        rows = vocabulary_rows(config.vocab_size, tp, tp_rank)
                         net.set_output_embeddings(torch.nn.Linear(config.hidden_size, rows, bias=False))
                         loss_tiles = loss_tiles or 1
                     if loss_tiles is not None:
@@ -472,16 +482,20 @@ def pipeline_in_flight(schedule: str, stages: int, microbatches: int, virtual: i
     return min(stages + 1, microbatches)  # dualpipev
 
 
-def layout_activations(config, layout, micro: int, microbatches: int) -> tuple[ActivationCount, list[float]] | None:
+def layout_activations(
+    config, layout, micro: int, microbatches: int, tp_rank: int = 0
+) -> tuple[ActivationCount, list[float]] | None:
     """The count for `layout` (its tp, sp and pipeline) and what each pipeline rank holds from it,
-    for micro batches of `micro` sequences, `microbatches` of them a step per data-parallel rank;
-    None for a mixture of experts."""
+    for micro batches of `micro` sequences, `microbatches` of them a step per data-parallel rank,
+    on tensor-parallel rank `tp_rank` (0: the largest share of a vocabulary split unevenly); None
+    for a mixture of experts."""
     pipelined = config.pipeline.schedule != "none"
     autocast = pipelined and config.pipeline.engine == "torch"  # the torch pipeline's bf16 is torch.autocast
     count = counted_activations(
         config.model, micro, config.data.block_size, config.precision.dtype, layout.tp, layout.sp,
         config.trainer.loss_tiles, pipelined, autocast,
         layout.tp > 1 and tp_plans.sequence_parallel(config), layout.tp > 1 and tp_plans.loss_parallel(config),
+        tp_rank,
     )  # fmt: skip
     if count is None:
         return None

@@ -7,11 +7,13 @@ after another); each pair is its own test here.
 Tolerances, from the arithmetic of a few AdamW steps of a tiny model:
 - fp32, another reduction order (sharded, pipelined, tensor-parallel sums): the losses agree to
   ~1e-6 relative (measured up to 3.3e-6 over 5 steps, shared/DESIGN.md); held to 2e-5. The first
-  step's gradient norm sums the squares of ~3.3M gradient elements (the embedding's 50,257 x 64
-  among them) in another order and partition, in float32 in DeepSpeed's engines (a CPU's float32
-  norm of the embedding alone is off by up to 6e-5): ZeRO-3 against ZeRO-0 measured 3.1e-5 apart;
-  held to 1e-4. Later norms drift by up to 4e-4 (that sum's error, and Adam's amplification of
-  rounding), held to 2e-3. engine=fsdp2 sums in float64: its layouts agree far closer
+  step's gradient norm sums the squares of the model's gradient elements in another order and
+  partition, in float32 in DeepSpeed's engines: with GPT-2's 50,257-token vocabulary (3.3M
+  elements; a CPU's float32 norm of the embedding alone is off by up to 6e-5) ZeRO-3 against
+  ZeRO-0 measured 3.1e-5 apart; held to 1e-4. Later norms drift by up to 4e-4 (that sum's error,
+  and Adam's amplification of rounding), held to 2e-3. The base model now has GPT-2's bytes for a
+  vocabulary (125k elements): every fp32 pair without Muon measured within 2.4e-7 (losses) and
+  5.6e-7 (norms), and the tolerances were kept. engine=fsdp2 sums in float64: its layouts agree far closer
   (tests/test_fsdp2.py's LAYOUT_FP32). A gradient off by any factor the bugs of this
   kind make (x2 per rank, a lost side loss, a norm over one shard: 21%) is far outside.
 - bf16: one rounding of a bf16 value is 2^-8 = 0.4% relative; losses and the first norm of two
@@ -34,6 +36,14 @@ from lmrepo.plan import plan
 
 FP32 = {"loss": 2e-5, "first_norm": 1e-4, "norm": 2e-3}
 BF16 = {"loss": 2e-2, "first_norm": 3e-2, "norm": None}
+# The losses after a Muon update, in a pair with Muon that claims equality. DeepSpeed's
+# Newton-Schulz iteration runs in bf16: two runs whose gradients differ by fp32 rounding round some
+# of its values differently, and their updates then differ by up to 2^-8 (0.4%). The loss moves by
+# up to that fraction of what Muon's update moves it: ~0.05 of the 5.5 a step here (half of the
+# step's ~0.1), 4e-5 relative a step, 1e-4 over the two updates (measured: 2.9e-5 under ZeRO-3 and
+# offload, 4.6e-6 compiled, 1.6e-6 sequence-parallel). A gradient off by a factor moves the AdamW half
+# (embeddings, norms) by percents, and Muon's first step, before any update, is held to FP32.
+MUON_UPDATED_LOSS = 1e-4
 PAIRS = composition.pairs()
 ALLOWED = composition.allowed_pairs()
 
@@ -120,7 +130,10 @@ def test_pair(a, b, results, corpus):
     tolerance = BF16 if "bf16" in (a, b) or kind == "bf16" else FP32
     steps = 1 if kind == "step1" else len(ours["losses"])
     for step in range(steps):
-        assert close(ours["losses"][step], theirs["losses"][step], tolerance["loss"]), (step, ours, theirs)
+        rel = tolerance["loss"]
+        if "muon" in (a, b) and step > 0:
+            rel = max(rel, MUON_UPDATED_LOSS)
+        assert close(ours["losses"][step], theirs["losses"][step], rel), (step, ours, theirs)
     first, reference_first = ours["grad_norms"][0], theirs["grad_norms"][0]
     if first is not None and reference_first is not None:  # Muon under ZeRO logs no gradient norm
         assert close(first, reference_first, tolerance["first_norm"]), (ours, theirs)

@@ -64,6 +64,21 @@ def test_gpt2_tokenizer(gpt2):
     assert gpt2("Hello world", add_special_tokens=False)["input_ids"] == [15496, 995]
 
 
+def test_gpt2_bytes_are_gpt2s_byte_tokens_and_round_trip(gpt2):
+    """model.tokenizer=bytes: every byte one token, with the id GPT-2's BPE gives that byte alone
+    (its first 256 ids), <|endoftext|> as 256; any text (accents, emoji, control bytes) decodes back."""
+    from lmrepo.tokenizer import end_of_text_id
+
+    tokens = load_tokenizer("bytes")
+    assert len(tokens) == 257 and tokens.eos_token_id == end_of_text_id("bytes") == 256
+    text = "ROMEO: héllo,\tworld \U0001f600\x00!"
+    ids = tokens(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text.encode()) and tokens.decode(ids) == text
+    for byte in range(256):  # GPT-2's symbol for id `byte` is the bytes tokenizer's id `byte`
+        assert tokens.convert_tokens_to_ids(gpt2.convert_ids_to_tokens(byte)) == byte, byte
+    assert tokens.decode([tokens.eos_token_id]) == gpt2.decode([end_of_text_id("gpt2")]) == "<|endoftext|>"
+
+
 def test_bert_tokenizer(bert):
     assert len(bert) == 30522
     assert (bert.cls_token_id, bert.sep_token_id, bert.mask_token_id) == (101, 102, 103)

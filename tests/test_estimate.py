@@ -474,3 +474,15 @@ def test_peak_table_tells_gpu_forms_apart(name, bf16):
     bf16 units: bf16 runs at its fp32 peak there."""
     expected = bf16 if bf16 is not None else 15.7
     assert peak_tflops(name, "bf16", None) == expected
+
+
+def test_a_vocabulary_split_unevenly_gives_each_rank_torch_chunks_share():
+    """estimate.vocabulary_rows: a head split by vocabulary (Shard(0)) as torch.chunk splits it,
+    which each tensor-parallel rank's activation count uses; the shares add up to the vocabulary."""
+    import torch
+
+    for vocab, tp in ((257, 2), (257, 4), (50257, 2), (50257, 8), (6, 4)):
+        shares = [estimate.vocabulary_rows(vocab, tp, rank) for rank in range(tp)]
+        chunks = [len(c) for c in torch.arange(vocab).chunk(tp)]
+        assert shares == chunks + [0] * (tp - len(chunks)), (vocab, tp, shares)
+        assert sum(shares) == vocab

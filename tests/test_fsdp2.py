@@ -392,10 +392,11 @@ def one_rank(four_ranks, eight_ranks, tmp_path_factory) -> dict:
 
 # One FSDP2 layout against another, fp32, 6 steps with clipping active. FSDP2 sums the norm's
 # squares in float64 (engines/fsdp2.global_grad_norm), so the norms differ only by the rounding of
-# the gradients themselves: a few fp32 units (2^-24 = 6e-8) of each element, averaged over millions
-# of them. Measured between every pair of layouts here and one process: losses up to 2e-7 apart,
-# first norms 3e-8, later norms 3.4e-6 (Adam amplifies the rounding step by step; a float32 sum of
-# the 3.3M squares had moved them by up to 3e-4). Held to: losses 1e-5, the first norm 1e-6, later
+# the gradients themselves: a few fp32 units (2^-24 = 6e-8) of each element, averaged over the
+# model's elements. Measured between every pair of layouts here and one process, with GPT-2's BPE
+# (3.3M elements): losses up to 2e-7 apart, first norms 3e-8, later norms 3.4e-6 (Adam amplifies
+# the rounding step by step; a float32 sum of the 3.3M squares had moved them by up to 3e-4); the
+# base model now tokenizes by GPT-2's bytes (125k elements). Held to: losses 1e-5, the first norm 1e-6, later
 # norms 1e-4. A norm over a part of the shards, slices or stages, or a gradient off by a rank
 # count, is off by percents.
 LAYOUT_FP32 = {"loss": 1e-5, "first_norm": 1e-6, "norm": 1e-4}
@@ -531,7 +532,7 @@ def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, ei
         rows = sum(p.numel() / p.shape[0] for p in net.parameters())  # one dim-0 row of every tensor
         held = result["parameters_held"]
         for rank in range(ranks):
-            # a head split by vocabulary (tp.loss_parallel): 50257 rows, one more on tp rank 0
+            # a head split by vocabulary (tp.loss_parallel): 257 rows, one more on tp rank 0
             stage = fsdp2_rank_parameters(net, config, layout, layout.coordinates(rank)["tp"])[layout.stage(rank)]
             shard_group = layout.group(rank, ("dp_shard",))
             together = sum(held[r] for r in shard_group) - (len(shard_group) - 1) * stage.whole
@@ -545,12 +546,14 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
     the pipeline layers', forward counted on fake tensors, times the micro batches in flight)
     against what autograd kept on each rank of every layout in a training step, counted by
     lmrepo.saved_activations. Measured: equal to the byte on every layout, but for 8 bytes (a
-    scalar of the loss) under tensor parallelism; held to 1e-4. A block not split by tp is 1.6x its
-    slice, a schedule's micro batches in flight off by one 1.25x or more, the head on the wrong
-    stage 40x. Checkpointed layouts are left out: a checkpoint keeps its input outside autograd's
-    saved tensors, where the count does not see it. So is a pipeline in bf16 (torch.autocast over
-    fp32 weights): the count under the CPU's autocast was 1.35x what the 3-D layout's first stage
-    kept (FSDP2's bf16, parameters cast, is compared: HSDP in bf16, equal to the byte)."""
+    scalar of the loss) under tensor parallelism, with each tensor-parallel rank's share of a
+    vocabulary split unevenly (129 and 128 rows of 257); held to 1e-4. A block not split by tp is
+    1.6x its slice, a schedule's micro batches in flight off by one 1.25x or more, the head on the
+    wrong stage 1.3x (40x with GPT-2's 50,257-token BPE). Checkpointed layouts are left out: a
+    checkpoint keeps its input outside autograd's saved tensors, where the count does not see it.
+    So is a pipeline in bf16 (torch.autocast over fp32 weights): the count under the CPU's autocast
+    was 1.35x what the 3-D layout's first stage kept (FSDP2's bf16, parameters cast, is compared:
+    HSDP in bf16, equal to the byte)."""
     from lmrepo import estimate
     from lmrepo.layout import ParallelLayout
 
@@ -563,13 +566,13 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
         if config.checkpointing.enabled or (pipelined and config.precision.dtype != "fp32"):
             continue  # the pipeline's bf16 is torch.autocast: see the docstring
         layout = ParallelLayout.of(config, ranks)
-        counted = estimate.layout_activations(
-            config, layout, micro, config.trainer.global_batch_size // (micro * layout.dp)
-        )
-        if counted is None:
+        microbatches = config.trainer.global_batch_size // (micro * layout.dp)
+        # by tensor-parallel rank: a head split by vocabulary holds 129 rows of 257 on one, 128 on the other
+        counted = [estimate.layout_activations(config, layout, micro, microbatches, t) for t in range(layout.tp)]
+        if counted[0] is None:
             continue  # a mixture of experts: not counted (lmrepo.estimate.counted_activations)
-        _, expected = counted
         for rank, measured in enumerate(result["activations_peak"]):
+            expected = counted[layout.coordinates(rank)["tp"]][1]
             assert measured["step"] == pytest.approx(expected[layout.stage(rank)], rel=1e-4), (words, rank, expected)
             # Nothing outlives a step, but on a torch pipeline's first stage: part of the graph of the
             # forward torch.distributed.pipelining infers the stage's shapes with (in the first step)

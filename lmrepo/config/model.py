@@ -78,7 +78,8 @@ class ModelConfig:
     dropout: float = 0.0
     """dropout probability; 0 for pretraining (nanoGPT, Llama)"""
     tokenizer: str = "gpt2"
-    """gpt2 (GPT-2 BPE), bert (uncased WordPiece), or any Hugging Face name or path"""
+    """gpt2 (GPT-2 BPE), bytes (GPT-2's 256 bytes and <|endoftext|>: set vocab_size=257), bert (uncased WordPiece), or
+    any Hugging Face name or path"""
     pretrained: Optional[str] = None
     """a Hugging Face model directory or Hub repository id (owner/name): its architecture and weights replace the
     preset's"""

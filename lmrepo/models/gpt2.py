@@ -8,6 +8,8 @@ function as one fused kernel (torch's `gelu(approximate="tanh")`), equal within 
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.activations import ACT2FN
 
+from lmrepo.tokenizer import end_of_text_id
+
 LOSS_TYPE = "ForCausalLM"
 MODEL_CLASS = GPT2LMHeadModel
 
@@ -23,6 +25,8 @@ def hf_config(model) -> GPT2Config:
         embd_pdrop=model.dropout,
         attn_pdrop=model.dropout,
         activation_function=FUSED_GELU,
+        bos_token_id=end_of_text_id(model.tokenizer),
+        eos_token_id=end_of_text_id(model.tokenizer),
     )
 
 

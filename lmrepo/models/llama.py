@@ -4,6 +4,8 @@ attention), with the GPT-2 BPE vocabulary. Llama is the family DeepSpeed's AutoT
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lmrepo.tokenizer import end_of_text_id
+
 LOSS_TYPE = "ForCausalLM"
 MODEL_CLASS = LlamaForCausalLM
 
@@ -21,9 +23,9 @@ def hf_config(model) -> LlamaConfig:
         tie_word_embeddings=model.tie_embeddings,
         attention_dropout=model.dropout,
         # the GPT-2 BPE's one special token <|endoftext|> is begin, end and padding
-        bos_token_id=50256,
-        eos_token_id=50256,
-        pad_token_id=50256,
+        bos_token_id=end_of_text_id(model.tokenizer),
+        eos_token_id=end_of_text_id(model.tokenizer),
+        pad_token_id=end_of_text_id(model.tokenizer),
     )
 
 
