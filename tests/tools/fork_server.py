@@ -19,12 +19,13 @@ traceback, non-daemon threads joined, atexit, finalizers.
 
 What a fork cannot give a launch is an environment other than the server's where it matters at
 import: a launch whose environment differs from the server's in a variable that the imports here
-could read (READ_AT_IMPORT: torch's, the thread pools', Hugging Face's, HOME, ...) is refused, and
-start_ranks.py starts it as before; other variables (a test's own, lmrepo's, W&B's, DeepSpeed's,
-none of them imported here) are simply the launch's. Library notices printed at import
-would be printed once by the server and never by a launch: only modules that print nothing at
-import are imported here (DeepSpeed prints its accelerator at import, and train.py's quieting of
-it is under test; so are lmrepo's own modules).
+could read (READ_AT_IMPORT: torch's, the thread pools', Hugging Face's, DeepSpeed's, HOME, ...) is
+refused, and start_ranks.py starts it as before; other variables (a test's own, lmrepo's, W&B's:
+read when called) are simply the launch's. What a library prints at import is printed once, into
+the server's log, and never by a launch: DeepSpeed's accelerator notice among them, so the test of
+train.py's quiet start runs its own process. DeepSpeed chooses its accelerator at import, once:
+it and the lmrepo modules that import it are imported here only from a torch built without CUDA,
+where every launch would choose the CPU (on a GPU machine a launch may ask for either).
 
 Usage: python fork_server.py SOCKET   (conftest.py starts one per pytest worker)
 """
@@ -48,11 +49,17 @@ READ_AT_IMPORT = (
     *("TORCH", "PYTORCH", "ATEN", "ONEDNN", "DNNL", "CUDA", "NVIDIA", "NCCL", "XLA"),
     *("OMP_", "GOMP", "KMP_", "MKL", "OPENBLAS", "GOTO", "BLIS", "NPY", "NUMPY", "SCIPY"),
     *("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "USE_TORCH", "USE_TF", "USE_JAX"),
+    *("DS_", "DEEPSPEED"),
     *("HOME", "XDG_", "TMP", "TEMP", "PYTHON", "LD_", "LC_", "LANG", "TZ"),
 )
 # ... of which these are read only when called (torch's compile cache, its CUDA check): no refusal.
 READ_WHEN_CALLED = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_EXTENSIONS_DIR"}
 PREIMPORTED = ("torch", "transformers", "transformers.modeling_utils", "numpy", "scipy.stats", "hydra", "omegaconf")
+# ... and what every train.py rank imports after them (~0.3 CPU-s a process), where torch has no CUDA
+CPU_ONLY_PREIMPORTED = (
+    *("deepspeed", "lmrepo.run", "lmrepo.engines.deepspeed", "lmrepo.engines.fsdp2", "lmrepo.engines.torch_pipeline"),
+    *("torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.tensor.parallel"),
+)
 
 
 class Rank:
@@ -188,6 +195,11 @@ def serve(path: str) -> Job:
     """Answers launches until the pytest worker that started it goes; returns only in a rank."""
     for module in PREIMPORTED:
         __import__(module)
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        for module in CPU_ONLY_PREIMPORTED:
+            __import__(module)
     # The imports' ~600k objects out of every later collection, as train.py does after its imports:
     # a collection in a fork would otherwise touch, and so copy, every page of them.
     gc.collect()
