@@ -333,12 +333,13 @@ class ActivationCount:
     last: float  # what comes after them (the final norm, the output layer, the loss): the last stage's
 
 
-def vocabulary_rows(vocab: int, tp: int, tp_rank: int) -> int:
-    """The rows of a head split by vocabulary (Shard(0), torch.chunk's split) that tensor-parallel
-    rank `tp_rank` holds: ceil(vocab / tp) each, the last ranks what is left (257 over 2: 129 and
-    128; over 4: 65, 65, 65, 62)."""
-    chunk = -(-vocab // tp)
-    return max(0, min(chunk, vocab - tp_rank * chunk))
+def shard_rows(rows: int, ranks: int, rank: int) -> int:
+    """The rows of a tensor's dim 0 that `rank` holds when it is split over `ranks` as Shard(0)
+    splits it (torch.chunk: ceil(rows / ranks) each, the last ranks what is left): a head split by
+    vocabulary over tensor-parallel ranks (257 over 2: 129 and 128), a parameter fully_shard'ed
+    over data-parallel ones (50,257 over 64: 786 each, 739 on the last)."""
+    chunk = -(-rows // ranks)
+    return max(0, min(chunk, rows - rank * chunk))
 
 
 def counted_activations(
@@ -364,7 +365,7 @@ def counted_activations(
     plans compute it; with `sequence_parallel` (engine=fsdp2's) what the norms keep is one rank's
     tokens of it (the blocks' linears keep their inputs whole, all-gathered), with
     `vocabulary_parallel` the head's and the loss's share of the vocabulary of tensor-parallel rank
-    `tp_rank` (0's is the largest where the ranks' shares are uneven: vocabulary_rows). Ulysses
+    `tp_rank` (0's is the largest where the ranks' shares are uneven: shard_rows). Ulysses
     sequence parallelism over `sp` ranks: seq / sp tokens of everything (inside attention all seq
     tokens of heads / sp: the same bytes). None for a mixture of experts (DeepSpeed-MoE's layers
     need process groups to be built). A 16-bit `dtype` is the parameters' (DeepSpeed, FSDP2's mixed
@@ -406,7 +407,7 @@ def counted_activations(
                     after = [held[1], held[2], saved.live]  # the layers: the embeddings, the blocks, ...
                 else:
                     if vocabulary_parallel:  # the rank's rows of the head, lmrepo's loss as the engine runs it
-                        rows = vocabulary_rows(config.vocab_size, tp, tp_rank)
+                        rows = shard_rows(config.vocab_size, tp, tp_rank)
                         net.set_output_embeddings(torch.nn.Linear(config.hidden_size, rows, bias=False))
                         loss_tiles = loss_tiles or 1
                     if loss_tiles is not None:

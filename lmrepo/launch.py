@@ -240,6 +240,16 @@ def init_distributed(timeout_s: float = 0) -> None:
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kwargs)
 
 
+def host_group():
+    """A new gloo group over every rank, for collectives of host tensors beside the default group
+    (a checkpoint written in a background thread, the stop flags beside NCCL). Under torch's fake
+    backend, where a layout is built in one process for its shapes, a group of that backend: gloo
+    cannot be built over its store, and nothing is sent."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend=None if dist.get_backend() == "fake" else "gloo")
+
+
 def share_cpu_cores() -> None:
     """Each CPU rank takes its share of the machine's cores unless OMP_NUM_THREADS says otherwise
     (torchrun sets it to 1; DeepSpeed's launcher leaves every rank all the cores). Oversubscribed

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from lmrepo.config import TrainerConfig
 from lmrepo.engines.base import Engine
 from lmrepo.errors import TrainingError
+from lmrepo.launch import host_group
 from lmrepo.metrics import memory_gb
 from lmrepo.stop import StopRequest
 
@@ -115,7 +116,7 @@ class StopFlags:
         self.ranks = dist.get_world_size() if dist.is_initialized() else 1
         self.group = None
         if self.ranks > 1 and dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo")
+            self.group = host_group()
 
     def any_rank(self) -> bool:
         mine = self.stop is not None and self.stop.signal_name is not None

@@ -476,13 +476,14 @@ def test_peak_table_tells_gpu_forms_apart(name, bf16):
     assert peak_tflops(name, "bf16", None) == expected
 
 
-def test_a_vocabulary_split_unevenly_gives_each_rank_torch_chunks_share():
-    """estimate.vocabulary_rows: a head split by vocabulary (Shard(0)) as torch.chunk splits it,
-    which each tensor-parallel rank's activation count uses; the shares add up to the vocabulary."""
+def test_a_tensor_split_unevenly_gives_each_rank_torch_chunks_share():
+    """estimate.shard_rows: dim 0 split over ranks as Shard(0) (torch.chunk) splits it, which each
+    tensor-parallel rank's activation count and each FSDP2 rank's model states use; the shares add
+    up to the rows."""
     import torch
 
     for vocab, tp in ((257, 2), (257, 4), (50257, 2), (50257, 8), (6, 4)):
-        shares = [estimate.vocabulary_rows(vocab, tp, rank) for rank in range(tp)]
+        shares = [estimate.shard_rows(vocab, tp, rank) for rank in range(tp)]
         chunks = [len(c) for c in torch.arange(vocab).chunk(tp)]
         assert shares == chunks + [0] * (tp - len(chunks)), (vocab, tp, shares)
         assert sum(shares) == vocab

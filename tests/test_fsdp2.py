@@ -208,23 +208,34 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.distributed
 def test_fsdp2_model_states_per_rank_are_the_estimate(tmp_path):
-    """The bytes each rank holds after a step (its shards of the fp32 parameters, the gradients
-    they get, AdamW's two moments) against scripts/estimate.py's FSDP2 figure: 16 bytes x
-    parameters / ranks, within FSDP2's padding of uneven shards."""
-    from lmrepo.estimate import fsdp2_state_bytes
+    """The bytes the first and the last rank hold after a step, at 2, 8 and 64 ranks (the job built
+    on torch's fake process group, one rank at a time, in one process: tests/fsdp2_probe.py): their
+    shards of the fp32 parameters, the gradients they get and AdamW's two moments, 16 bytes an
+    element of each tensor's dim-0 rows that Shard(0) gives the rank (exactly), and
+    scripts/estimate.py's FSDP2 figure (16 bytes x parameters / ranks) within one row of each
+    tensor on rank 0, whose shards are the largest (50,257 embedding rows over 64 ranks: 786 on
+    rank 0, 739 on rank 63). A shard over the wrong group, a moment kept whole or a gradient
+    not sharded is off by a factor."""
+    from lmrepo.compose import load_config
+    from lmrepo.estimate import fsdp2_state_bytes, meta_model, shard_rows
 
+    overrides = [*TINY, "engine=fsdp2"]
     proc = subprocess.run(
-        [*launcher(2), str(REPO / "tests" / "fsdp2_probe.py"), str(tmp_path), *TINY, "engine=fsdp2"],
+        [*FORKED_PYTHON, str(REPO / "tests" / "fsdp2_probe.py"), str(tmp_path), "2,8,64", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        held = json.loads((tmp_path / f"held_rank{rank}.json").read_text())
-        measured = held["parameters"] + held["gradients"] + held["optimizer"]
-        estimate = fsdp2_state_bytes(held["model_parameters"], 2, "fp32").gpu
-        assert_close(measured, estimate, 0.01, f"rank {rank}'s model states")  # FSDP2 pads uneven shards
+    tensors = [(p.shape[0], p.numel() // p.shape[0]) for p in meta_model(load_config(overrides).model).parameters()]
+    held = json.loads((tmp_path / "held.json").read_text())
+    assert sorted(held) == ["2/0", "2/1", "64/0", "64/63", "8/0", "8/7"]
+    for key, rank_held in held.items():
+        world, rank = map(int, key.split("/"))
+        measured = rank_held["parameters"] + rank_held["gradients"] + rank_held["optimizer"]
+        assert measured == 16 * sum(shard_rows(rows, world, rank) * row for rows, row in tensors), key
+        if rank == 0:
+            estimate = fsdp2_state_bytes(rank_held["model_parameters"], world, "fp32").gpu
+            assert 0 <= measured - estimate <= 16 * sum(row for _, row in tensors), (key, measured, estimate)
 
 
 @pytest.mark.distributed

@@ -61,6 +61,7 @@ from lmrepo.engines.layer_files import (
     sliced_like,
 )
 from lmrepo.errors import ConfigError
+from lmrepo.launch import host_group
 from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, causal_loss, pipe, transformer_blocks
 from lmrepo.models.mixtral import moe_record
@@ -124,7 +125,7 @@ class FSDP2Engine:
         # DCP writes a checkpoint in a background thread while training goes on; its collectives
         # need a process group of their own (on the default one, gloo's messages of the two
         # threads interleave: "Received data size doesn't match expected size").
-        self.save_group = dist.new_group(backend="gloo")
+        self.save_group = host_group()
         self.writing = None  # the Future of the save being written
 
     # --- what the loop calls
