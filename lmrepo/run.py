@@ -41,6 +41,12 @@ def prepare_job(job: Plan, run_dir: Path):
     except OSError as err:
         raise ConfigError(f"model.tokenizer={config.model.tokenizer}: {str(err).splitlines()[0][:200]}") from None
     config.model.check_vocab(len(tokenizer))
+    if config.model.family == "bert" and tokenizer.mask_token_id is None:
+        # transformers' masked-LM collator raised a ValueError in every rank's start instead
+        raise ConfigError(
+            f"model.tokenizer={config.model.tokenizer} has no mask token, which BERT's masked-LM "
+            "training needs: choose model.tokenizer=bert (or a tokenizer with [MASK])"
+        )
     resume = None
     check_unused(run_dir, resuming=config.run.resume is not None, owner=launch.rank() == 0)
     found = checkpoint.find(config.run.resume, run_dir / "checkpoints")

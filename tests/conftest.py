@@ -1,8 +1,8 @@
 """Shared test helpers: compose real configs, and launch real train.py runs on the CPU.
 
-Every run uses TINY (a 2-layer, 64-wide GPT-2 on 32-token blocks, fp32: a test that is about a
-precision says so) and a token cache shared by the whole session, so the Shakespeare corpus is
-tokenized once.
+Every run uses TINY (a 2-layer, 64-wide GPT-2 on 32-token blocks of GPT-2's bytes, fp32: a test that
+is about a precision or a vocabulary says so) and a token cache shared by the whole session, so the
+Shakespeare corpus is tokenized once.
 """
 
 import json
@@ -207,10 +207,16 @@ TINY = [
     "trainer.eval_batches=2",
     "logger=jsonl",
     "precision=fp32",
+    "model.tokenizer=bytes",
+    "model.vocab_size=257",
 ]
+# TINY tokenizes by GPT-2's bytes (257 tokens: lmrepo.tokenizer.gpt2_bytes); GPT2 puts its BPE back,
+# for a test about that vocabulary (50,257 rows: the embedding is then 97% of TINY's parameters).
+GPT2 = ("model.tokenizer=gpt2", "model.vocab_size=50257")
+BERT = ("model=bert-tiny", "model.tokenizer=bert", "model.vocab_size=30522")  # after TINY: its WordPiece back
 # TINY in bf16, one sequence per micro batch: on a CPU without native bf16 every bf16 matmul takes a
-# slow path (~70x fp32), nearly all of it in the 50257-wide output layer, so a TINY step costs by
-# the token. The parity and resume checks hold at any batch size.
+# slow path (~70x fp32), so a TINY step costs by the token. The parity and resume checks hold at any
+# batch size.
 BF16 = ("precision=bf16", "trainer.micro_batch_size=1")
 
 

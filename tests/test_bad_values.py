@@ -98,6 +98,8 @@ CASES = [
     # the moe keys on a dense family (it would train without experts)
     ("model.moe.experts=4", "model.moe.experts=4 configures a mixture of experts, and model.family=gpt2 is dense"),
     ("model=llama-tiny model.moe.aux_loss_coef=0.1", "choose model=mixtral-tiny"),
+    # a tokenizer without [MASK] for BERT's masked-LM (was transformers' ValueError in every rank)
+    ("model=bert-tiny model.tokenizer=bytes model.vocab_size=257", "model.tokenizer=bytes has no mask token"),
     # checkpointing
     ("checkpointing.every_n_layers=x", "checkpointing.every_n_layers=x"),
     ("checkpointing.impl=fast", "checkpointing.impl=fast"),

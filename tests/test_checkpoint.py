@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from conftest import (
     BF16,
     FORKED_PYTHON,
+    GPT2,
     REPO,
     TINY,
     assert_ok,
@@ -195,7 +196,7 @@ def test_export_loads_in_transformers_with_the_runs_eval_loss(launch2, tmp_path,
 
 
 def test_corrupt_and_mismatched_checkpoints_stop_before_training(launch2, tmp_path):
-    source = launch2("zero=stage0", "precision=fp32") / FIRST
+    source = launch2("zero=stage0", "precision=fp32", *GPT2) / FIRST  # BERT's WordPiece fits its embedding
     broken = tmp_path / "broken" / "step_00000003"
     shutil.copytree(source, broken)
     states = broken / "mp_rank_00_model_states.pt"
@@ -210,7 +211,7 @@ def test_corrupt_and_mismatched_checkpoints_stop_before_training(launch2, tmp_pa
     ]
     for number, (overrides, expected) in enumerate(cases):
         run_dir = tmp_path / "runs" / str(number)
-        proc = run_train([*TINY, *overrides], run_dir)
+        proc = run_train([*TINY, *GPT2, *overrides], run_dir)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert expected in proc.stderr and "Traceback" not in proc.stderr
         assert not run_dir.exists()

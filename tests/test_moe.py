@@ -105,7 +105,7 @@ def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(laun
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(exported, MixtralForCausalLM)
     ours = consolidate(str(run_dir)).model.eval()
-    ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, exported.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     # The same weights in transformers' Mixtral: its own expert and attention code, whose longest
     # sum (an expert's down projection, 96 terms) may be blocked otherwise. An expert's weights in
     # the wrong place or transposed move the logits by their whole size.

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
+    BERT,
     CPU,
     GPU,
     REPO,
@@ -63,7 +64,7 @@ def test_gpt2_pipeline_matches_data_parallel(gpt2_pipeline, launch2):
 
 @pytest.mark.distributed
 def test_bert_pipeline_matches_data_parallel(tmp_path, launch2):
-    bert = ["model=bert-tiny", "data.block_size=32"]
+    bert = [*BERT, "data.block_size=32"]
     reference = launch2(*bert, "zero=stage0", "precision=fp32")
     assert_ok(run_train([*TINY, *bert, *PIPELINE, "checkpointing=full"], tmp_path / "bert", ranks=2))
     assert_close(train_losses(tmp_path / "bert"), train_losses(reference), PIPELINE_FP32, "losses")

@@ -155,7 +155,9 @@ def test_which_checkpoints_a_torch_pipeline_resumes(launch2, tmp_path):
 
     def inspect(source, *overrides):
         config = load_config([*TINY, *PIPE, *overrides])
-        return checkpoint.inspect(source, "step_00000003", config.model, 50257, config.pipeline, config.engine.name)
+        return checkpoint.inspect(
+            source, "step_00000003", config.model, config.model.vocab_size, config.pipeline, config.engine.name
+        )
 
     piped = launch2(*PIPE, "pipeline=gpipe") / "checkpoints"
     looped = ("pipeline=interleaved", "pipeline.stages=1", "pipeline.virtual_stages=2")

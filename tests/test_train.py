@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PYTHON, REPO, TINY, assert_ok, env_without_wandb_key, read_metrics, run_train, train_losses
+from conftest import (
+    BERT,
+    PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    env_without_wandb_key,
+    read_metrics,
+    run_train,
+    train_losses,
+)
 from lmrepo.device import detect_device
 
 CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
@@ -176,7 +186,7 @@ def test_a_hub_dataset_out_of_reach_is_one_line(tmp_path):
 
 def test_bert_tiny_random_init_trains(tmp_path):
     run_dir = tmp_path / "run"
-    assert_ok(run_train(["model=bert-tiny", *TINY[3:], "data.block_size=34"], run_dir))
+    assert_ok(run_train([*TINY[3:], *BERT, "data.block_size=34"], run_dir))
     losses = train_losses(run_dir)
     assert losses[-1] < losses[0]
 
