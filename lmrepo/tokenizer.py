@@ -36,19 +36,15 @@ def end_of_text_id(tokenizer: str) -> int:
     return END_OF_TEXT.get(tokenizer, END_OF_TEXT["gpt2"])
 
 
-def gpt2_byte_symbols() -> list[str]:
-    """GPT-2's 256 byte symbols in the order of its first 256 ids (openai/gpt-2's bytes_to_unicode:
-    the printable bytes stand for themselves, the others for the characters from U+0100 on)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
-
-
 def gpt2_bytes() -> PreTrainedTokenizerFast:
     """GPT-2's byte-level BPE without its merges: every byte is a token, with GPT-2's ids (0-255),
     and <|endoftext|> is 256: 257 tokens. For tiny models, whose embedding and logits would
     otherwise be nearly all GPT-2's 50,257 rows (the suite's composition matrix and layouts)."""
-    vocab = {symbol: i for i, symbol in enumerate(gpt2_byte_symbols())} | {"<|endoftext|>": END_OF_TEXT["bytes"]}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # here: only this tokenizer needs it
+
+    # GPT-2's 256 byte symbols in the order of its first 256 ids (openai/gpt-2's table, as transformers keeps it)
+    symbols = bytes_to_unicode().values()
+    vocab = {symbol: i for i, symbol in enumerate(symbols)} | {"<|endoftext|>": END_OF_TEXT["bytes"]}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
