@@ -16,13 +16,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lmrepo import quiet
 from lmrepo.config import load, register
 from lmrepo.config.messages import one_line_config_errors, one_line_disk_errors
-from lmrepo.errors import ConfigError
-from lmrepo.launch import adopt_slurm_env, prepare_argv, world_size
-from lmrepo.rundir import refuse
-from lmrepo.stop import StopRequest
+from lmrepo.distributed.launch import adopt_slurm_env, prepare_argv, world_size
+from lmrepo.train.rundir import refuse
+from lmrepo.train.stop import StopRequest
+from lmrepo.utils import quiet
+from lmrepo.utils.errors import ConfigError
 
 prepare_argv()  # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
 register()  # the typed schema conf/train.yaml composes over
@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> None:
         # every later collection (with the few MB of cycles the import left: collecting them costs
         # more than keeping them). Here, not at the top: a -m sweep's parent never reaches main().
         gc.disable()
-        from lmrepo.plan import plan
+        from lmrepo.plan.job import plan
 
         adopt_slurm_env()  # RANK and WORLD_SIZE under srun, before the plan counts the ranks
         try:

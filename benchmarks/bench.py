@@ -17,7 +17,7 @@ more than the few percent asked about, so the comparisons are paired step by ste
 with the bare loop of the DeepSpeed tutorials this project grew from as the common ruler:
 
 1. train.py against the tutorials' bare DeepSpeed loop (`engine(batch).loss; engine.backward(loss);
-   engine.step()`): `lmrepo.loop.fit`, wired as lmrepo.run.train wires it, with a bare step right
+   engine.step()`): `lmrepo.train.loop.fit`, wired as lmrepo.run.train wires it, with a bare step right
    after each of its steps (inside its metrics sink); fit's step is the wall time between its
    consecutive metrics lines (everything the loop does, logging included) less that bare step.
    The ratio is the median of the per-step ratios. Also `python train.py` against the bare loop
@@ -57,7 +57,7 @@ from pathlib import Path
 
 import common  # benchmarks/common.py: this script's folder is first on sys.path; it puts the repository next
 from common import REPO, Report, add_save_flag
-from lmrepo.launch import launch_command
+from lmrepo.distributed.launch import launch_command
 
 PYTHON = sys.executable
 
@@ -106,7 +106,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    from lmrepo.launch import release_shm_buffer
+    from lmrepo.distributed.launch import release_shm_buffer
 
     atexit.register(release_shm_buffer)  # DeepSpeed's CPU all-reduce buffer in /dev/shm
     spec = json.loads(Path(args.spec).read_text())
@@ -174,7 +174,7 @@ class Bench:
         self.failures: list[str] = []
 
     def compose(self, extra: list[str] = (), job: list[str] | None = None):
-        from lmrepo.compose import compose_config
+        from lmrepo.plan.compose import compose_config
 
         job = self.job if job is None else job
         cfg = compose_config([*job, *extra], run_dir=self.out / "unused")
@@ -251,10 +251,10 @@ class Bench:
     def run(self) -> dict:
         from lmrepo.config import to_dict
         from lmrepo.data.prepare import prepare_sources
-        from lmrepo.device import detect_device
-        from lmrepo.errors import ConfigError, exit_error
-        from lmrepo.plan import plan
-        from lmrepo.tokenizer import load_tokenizer
+        from lmrepo.data.tokenizer import load_tokenizer
+        from lmrepo.distributed.device import detect_device
+        from lmrepo.plan.job import plan
+        from lmrepo.utils.errors import ConfigError, exit_error
 
         try:
             self.cfg = self.compose()
@@ -395,9 +395,9 @@ class Bench:
 
     def memory(self) -> tuple[list | None, str | None]:
         from lmrepo.config import to_dict
-        from lmrepo.errors import ConfigError
         from lmrepo.estimate import count_parameters, optimizer_group_sizes
-        from lmrepo.plan import plan
+        from lmrepo.plan.job import plan
+        from lmrepo.utils.errors import ConfigError
 
         models = [("bench model", [*self.job, *(QUICK_MEMORY if self.quick else [])])]
         if not self.quick:  # the job's other keys, the reference model's own shape
@@ -523,7 +523,7 @@ def report(r: dict) -> str:
     add("| --- | --- | --- | --- |")
     if fit:
         add(
-            f"| one process, steps paired: `lmrepo.loop.fit` with a bare step right after each of its steps | "
+            f"| one process, steps paired: `lmrepo.train.loop.fit` with a bare step right after each of its steps | "
             f"{median_of(fit, 'times', w):.4f} | {median_of(fit, 'bare_times', w):.4f} | "
             f"**{paired(fit, 'times', 'bare_times', w):.3f}** (median of per-step ratios) |"
         )
@@ -715,7 +715,7 @@ def main() -> None:
         return
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
-        from lmrepo.errors import exit_error
+        from lmrepo.utils.errors import exit_error
 
         exit_error(f"unknown option {bad[0]}")
     saved = Report(__file__)

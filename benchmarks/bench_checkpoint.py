@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from common import REPO, Report, add_save_flag  # benchmarks/common.py, first on sys.path: puts the repository on it
-from lmrepo.errors import exit_error
-from lmrepo.launch import launch_command
+from lmrepo.distributed.launch import launch_command
+from lmrepo.utils.errors import exit_error
 
 COMMON = [
     "trainer.micro_batch_size=1",
@@ -49,9 +49,9 @@ def launch(run_dir: Path, ranks: int, overrides: list[str]) -> dict:
 
 def precision(model: str, ranks: int) -> str:
     """What precision=auto trains in here."""
-    from lmrepo.compose import compose_config
-    from lmrepo.errors import ConfigError
-    from lmrepo.plan import plan
+    from lmrepo.plan.compose import compose_config
+    from lmrepo.plan.job import plan
+    from lmrepo.utils.errors import ConfigError
 
     try:
         return str(

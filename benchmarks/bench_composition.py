@@ -29,8 +29,8 @@ from common import REPO, Report, add_save_flag  # benchmarks/common.py
 sys.path.insert(0, str(REPO / "tests"))
 import composition  # noqa: E402  (tests/composition.py: the pairs and their overrides)
 
-from lmrepo import ops  # noqa: E402
-from lmrepo.launch import launch_command  # noqa: E402
+from lmrepo.distributed.launch import launch_command  # noqa: E402
+from lmrepo.utils import ops  # noqa: E402
 
 BLOCK_LEVEL = ["muon", "tiled_loss", "document_masking", "activation_checkpointing", "bf16"]
 

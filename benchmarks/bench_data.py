@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 from common import Report, add_save_flag  # benchmarks/common.py, first on sys.path
-from lmrepo.compose import compose_config
+from lmrepo.plan.compose import compose_config
 
 # The tutorials' data loop: DataLoader(batch_size=8), tokenizer(..., max_length=1024) per batch.
 TUTORIAL_BATCH, TUTORIAL_MAX_LENGTH = 8, 1024
@@ -108,7 +108,7 @@ def prepare_child(corpus: Path, cache: Path, sample_memory: bool) -> None:
     JSON. Sampling is for memory runs only: reading smaps of a process with torch loaded takes
     ~10 ms, 3 processes every 50 ms would take most of one of the two cores from the timing."""
     from lmrepo.data.prepare import load_meta, prepare
-    from lmrepo.tokenizer import load_tokenizer
+    from lmrepo.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("gpt2")
     data = compose_config(text_overrides(corpus, cache)).data
@@ -217,8 +217,8 @@ def layout(ds_config: dict):
 def supply_rate(token_dir: Path, tokenizer, steps: int = 300) -> float:
     """Tokens per second LMData.train_step hands to training from the token file (default layout)."""
     from lmrepo.data.loader import LMData
-    from lmrepo.device import detect_device
-    from lmrepo.plan import plan
+    from lmrepo.distributed.device import detect_device
+    from lmrepo.plan.job import plan
 
     job = plan(compose_config([]), 1, detect_device("cpu"))
     config = job.config
@@ -244,10 +244,10 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
     from deepspeed.utils import logger as ds_logger
 
     from lmrepo.data.loader import LMData
+    from lmrepo.distributed.launch import init_distributed, release_shm_buffer
     from lmrepo.engines import build_engine
     from lmrepo.engines.base import to_device
-    from lmrepo.launch import init_distributed, release_shm_buffer
-    from lmrepo.plan import plan
+    from lmrepo.plan.job import plan
 
     ds_logger.setLevel(logging.WARNING)
     job = plan(compose_config([*overrides, "logger=none"]), 1)
@@ -308,7 +308,7 @@ def main() -> None:
 
     from lmrepo.data.corpus import shakespeare_files
     from lmrepo.data.prepare import prepare
-    from lmrepo.tokenizer import load_tokenizer
+    from lmrepo.data.tokenizer import load_tokenizer
 
     report = Report(__file__)
     plays = shakespeare_files()[:2] if args.quick else shakespeare_files()

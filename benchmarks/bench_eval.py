@@ -29,7 +29,7 @@ from common import (
     add_save_flag,
     machine,
 )  # benchmarks/common.py, first on sys.path: puts the repository on it
-from lmrepo.errors import exit_error
+from lmrepo.utils.errors import exit_error
 
 TYPES = {
     "loglikelihood": ["shakespeare_lastword", "shakespeare_cloze"],
@@ -100,9 +100,9 @@ def compare(run_dir: Path, limit: int, rounds: int, batch_size: int) -> dict:
     import torch
     from lm_eval.models.huggingface import HFLM
 
+    from lmrepo.data.tokenizer import load_tokenizer
     from lmrepo.evaluation.lm import LmrepoLM
     from lmrepo.export import consolidate, export
-    from lmrepo.tokenizer import load_tokenizer
 
     whole = consolidate(str(run_dir))
     hf_dir = export(str(run_dir), run_dir / "hf")

@@ -10,7 +10,7 @@ ranks; the arms alternate for --rounds rounds. Wall: from the launcher's start t
 the kernel's account of the launcher and every process it waited for (ranks included). DeepSpeed's
 runner and its launch.py each import all of DeepSpeed before a rank starts, and launch.py polls
 its ranks once a second; torchrun imports torch once and polls every 0.1 s; the direct start imports
-neither. The ranks run alike under all three (lmrepo.launch gives DeepSpeed's shared-memory
+neither. The ranks run alike under all three (lmrepo.distributed.launch gives DeepSpeed's shared-memory
 all-reduce LOCAL_SIZE where DeepSpeed's launcher does not).
 """
 
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from common import REPO, TINY_JOB, Report, add_save_flag, run_measured  # benchmarks/common.py
-from lmrepo.launch import launch_command
+from lmrepo.distributed.launch import launch_command
 
 TINY = [*TINY_JOB, "trainer.max_steps=6", "trainer.eval_batches=2", "precision=fp32"]
 START_RANKS = REPO / "tests" / "tools" / "start_ranks.py"

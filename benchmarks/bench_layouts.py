@@ -13,7 +13,7 @@ one layout after another (as the suite's composition probe does); each layout's 
 timed. Per rank:
 
 - activations: the most autograd kept during the last step, counted as it saves and frees
-  (lmrepo.saved_activations), beside lmrepo.estimate's count of the same layout (the forward of
+  (lmrepo.observability.saved_activations), beside lmrepo.estimate's count of the same layout (the forward of
   the model, or of the pipeline's layers, on fake tensors, times the micro batches in flight);
 - model states: the parameter and Adam-state elements the rank holds, counted from its tensors
   (16 bytes each in fp32: parameter, gradient, two moments), beside the estimate's FSDP2 layout;
@@ -114,12 +114,12 @@ def run_layout(words: list[str], steps: int, tokenizer, sources) -> dict:
     import torch.distributed as dist
     from transformers import set_seed
 
-    from lmrepo.compose import compose_config
+    from lmrepo.distributed.launch import world_size
     from lmrepo.engines import build_engine
-    from lmrepo.launch import world_size
-    from lmrepo.plan import plan
+    from lmrepo.observability.saved_activations import SavedActivations
+    from lmrepo.plan.compose import compose_config
+    from lmrepo.plan.job import plan
     from lmrepo.run import engine_data
-    from lmrepo.saved_activations import SavedActivations
 
     job = plan(compose_config(words, run_dir=Path(tempfile.gettempdir()) / "bench_layouts-unused"), world_size())
     set_seed(job.config.trainer.seed)
@@ -152,11 +152,11 @@ def run_layout(words: list[str], steps: int, tokenizer, sources) -> dict:
 def ranks_main(cases_file: Path, out_file: Path, steps: int) -> None:
     import torch.distributed as dist
 
-    from lmrepo.compose import compose_config
     from lmrepo.data.prepare import prepare_sources
-    from lmrepo.launch import init_distributed, world_size
-    from lmrepo.plan import plan
-    from lmrepo.tokenizer import load_tokenizer
+    from lmrepo.data.tokenizer import load_tokenizer
+    from lmrepo.distributed.launch import init_distributed, world_size
+    from lmrepo.plan.compose import compose_config
+    from lmrepo.plan.job import plan
 
     cases = json.loads(cases_file.read_text())
     init_distributed()
@@ -181,8 +181,8 @@ def estimated(words: list[str], ranks: int) -> tuple:
     """(the layout, activations and model-state bytes per pipeline rank), as scripts/estimate.py
     plans the layout."""
     from lmrepo import estimate
-    from lmrepo.compose import load_config
-    from lmrepo.layout import ParallelLayout
+    from lmrepo.distributed.layout import ParallelLayout
+    from lmrepo.plan.compose import load_config
 
     config = load_config(words)
     layout = ParallelLayout.of(config, ranks)
@@ -206,7 +206,7 @@ def main() -> None:
         ranks_main(Path(args.ranks_main[0]), Path(args.ranks_main[1]), steps)
         return
 
-    from lmrepo.launch import launch_command
+    from lmrepo.distributed.launch import launch_command
 
     model = QUICK_MODEL if args.quick else MODEL
     report = Report(__file__)

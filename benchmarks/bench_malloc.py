@@ -1,4 +1,4 @@
-"""The default job with glibc keeping freed memory (lmrepo.cpu_malloc, the default on a CPU)
+"""The default job with glibc keeping freed memory (lmrepo.utils.cpu_malloc, the default on a CPU)
 against glibc's own thresholds (`run.cpu_keep_freed_memory=false`), side by side in one run, on
 this CPU as it is and with its native bf16 hidden (as on an AMD Zen 3: precision=auto picks fp32).
 

@@ -33,7 +33,7 @@ def matrices(n_layer: int, width: int) -> list[tuple[int, int]]:
 
 def arm(compiled: bool, n_layer: int, width: int, steps: int) -> dict:
     """One process: DeepSpeed's muon_update on every hidden matrix, `steps` times."""
-    from lmrepo.muon import compile_muon_update
+    from lmrepo.optim.muon import compile_muon_update
 
     compile_muon_update(compiled)
     from deepspeed.runtime.zero.muon import original_muon

@@ -1,7 +1,7 @@
 """Five starts alternating between an activated venv (its ninja first on PATH) and a plain
 `.venv/bin/python` (the system's ninja), each loading DeepSpeed's CPU all-reduce op, side by side
 in one run: with torch's one shared extensions directory as DeepSpeed leaves it, and with
-lmrepo's pin (lmrepo/ops.py: a directory per interpreter, the interpreter's ninja first).
+lmrepo's pin (lmrepo/utils/ops.py: a directory per interpreter, the interpreter's ninja first).
 
     python benchmarks/bench_op_starts.py [--starts 5] [--save]    # ~5 min on 2 cores
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from common import Report, add_save_flag, run_measured  # benchmarks/common.py
 
 LOAD = "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load(verbose=False)"
-PIN = "from lmrepo import ops; ops.pin_builds(); "
+PIN = "from lmrepo.utils import ops; ops.pin_builds(); "
 BIN = str(Path(sys.executable).parent)
 
 

@@ -5,7 +5,7 @@ drift apart, and what loading DeepSpeed's op costs a process before its first st
     python benchmarks/bench_optimizer.py [--steps 5] [--build] [--save]   # ~1 min on 2 cores; --build ~1 min more
 
 lmrepo uses torch's (torch_adam + fused in DeepSpeed's optimizer params) on a CPU without
-optimizer offload (lmrepo.ds_config.prefer_torch_adam_on_cpu). --build also times compiling the op
+optimizer offload (lmrepo.plan.ds_config.prefer_torch_adam_on_cpu). --build also times compiling the op
 from nothing (a fresh TORCH_EXTENSIONS_DIR): what the first run on a new machine paid.
 """
 

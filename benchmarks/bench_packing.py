@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from common import Report, add_save_flag  # benchmarks/common.py, first on sys.path
-from lmrepo.compose import compose_config
 from lmrepo.config import load
 from lmrepo.data.loader import separate_documents
 from lmrepo.models import build_model
+from lmrepo.plan.compose import compose_config
 
 MICRO_BATCH = 4
 PRESETS = {"gpt2": "gpt2-tiny", "llama": "llama-tiny"}

@@ -9,7 +9,7 @@ schedules' theory, and activations held for backward per stage (GPipe against 1F
 One `deepspeed --num_gpus 2` launch; in it, for each schedule (pipeline=1f1b: DeepSpeed's
 PipelineEngine; gpipe, 1f1b_torch, interleaved: torch.distributed.pipelining via
 lmrepo.engines.torch_pipeline) and m = 2, 4, 8 micro-batches, an engine is built exactly as
-train.py builds it (lmrepo.plan.plan -> lmrepo.engines.build_engine), fp32, on synthetic token blocks:
+train.py builds it (lmrepo.plan.job.plan -> lmrepo.engines.build_engine), fp32, on synthetic token blocks:
 
 - step: the median over timed steps of the slowest rank's train_batch wall time;
 - t_micro: forward + backward of one micro-batch through one rank's layers alone (no pipeline,
@@ -186,12 +186,12 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int, warmup: int
     import torch.distributed as dist
     from transformers import set_seed
 
-    from lmrepo.compose import compose_config
-    from lmrepo.device import detect_device
+    from lmrepo.distributed.device import detect_device
     from lmrepo.engines import build_engine
     from lmrepo.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
     from lmrepo.engines.torch_pipeline import TorchPipelineEngine
-    from lmrepo.plan import plan
+    from lmrepo.plan.compose import compose_config
+    from lmrepo.plan.job import plan
 
     job = plan(
         compose_config(
@@ -256,7 +256,7 @@ def run_worker(args, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmrepo.launch import init_distributed, release_shm_buffer
+    from lmrepo.distributed.launch import init_distributed, release_shm_buffer
 
     torch.set_num_threads(1)
     init_distributed()

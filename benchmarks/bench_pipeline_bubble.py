@@ -106,11 +106,11 @@ def measure(schedule: str, m: int, overrides: list[str], steps: int) -> dict:
     from bench_pipeline import SavedTensors
     from transformers import set_seed
 
-    from lmrepo.compose import compose_config
-    from lmrepo.device import detect_device
+    from lmrepo.distributed.device import detect_device
     from lmrepo.engines import build_engine
     from lmrepo.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
-    from lmrepo.plan import plan
+    from lmrepo.plan.compose import compose_config
+    from lmrepo.plan.job import plan
 
     chunks = [] if schedule in ("1f1b", "gpipe", "1f1b_torch") else ["pipeline.virtual_stages=2"]
     job = plan(
@@ -184,7 +184,7 @@ def run_worker(args, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmrepo.launch import init_distributed, release_shm_buffer
+    from lmrepo.distributed.launch import init_distributed, release_shm_buffer
 
     torch.set_num_threads(1)
     init_distributed()

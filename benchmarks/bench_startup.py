@@ -3,7 +3,7 @@
 1. train.py's imports (torch, transformers, lmrepo) with the cyclic collector as Python leaves
    it, against off during the import and the result frozen (what train.py does).
 2. py-cpuinfo asked as DeepSpeed asks it (a probe process that times the clock), against
-   lmrepo.cpuinfo_cache's kept answer; and how many asks loading DeepSpeed's CPU Adam makes.
+   lmrepo.utils.cpuinfo_cache's kept answer; and how many asks loading DeepSpeed's CPU Adam makes.
 3. A whole tiny `offload=cpu` run of train.py, before (the two changes undone from outside:
    gc.disable/gc.freeze and cpuinfo_cache.install made no-ops) and after: the CPU seconds of the
    process and the seconds from its start to its first step.
@@ -43,7 +43,7 @@ COUNT_COLLECTIONS = (
 )
 ASKS = {
     "py-cpuinfo (DeepSpeed's ask)": "import cpuinfo; cpuinfo.get_cpu_info()",
-    "lmrepo.cpuinfo_cache (kept)": "from lmrepo import cpuinfo_cache; cpuinfo_cache.install(); "
+    "lmrepo.utils.cpuinfo_cache (kept)": "from lmrepo.utils import cpuinfo_cache; cpuinfo_cache.install(); "
     "import cpuinfo; cpuinfo.get_cpu_info()",
 }
 COUNT_ASKS = (
@@ -55,7 +55,7 @@ COUNT_ASKS = (
 # train.py as it was before both changes: the same file, the two start-up savings made no-ops
 BEFORE = (
     "import gc, runpy, sys; gc.disable = gc.freeze = lambda: None\n"
-    "from lmrepo import cpuinfo_cache; cpuinfo_cache.install = lambda: None\n"
+    "from lmrepo.utils import cpuinfo_cache; cpuinfo_cache.install = lambda: None\n"
     "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 AFTER = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -121,7 +121,9 @@ def main() -> None:
             f"\nWith the collector on, it runs {collections:,} times during that import, over a heap that ends "
             f"with {objects:,} tracked objects."
         )
-        cpu_seconds(["-c", ASKS["lmrepo.cpuinfo_cache (kept)"]], env)  # the first process asks and keeps the answer
+        cpu_seconds(
+            ["-c", ASKS["lmrepo.utils.cpuinfo_cache (kept)"]], env
+        )  # the first process asks and keeps the answer
         asks = side_by_side({k: ["-c", v] for k, v in ASKS.items()}, args.rounds, env)
         figures["cpuinfo_cpu_s"] = pair_table(
             report, "2. What is this CPU? (one ask; each process also pays `import cpuinfo`)", asks

@@ -21,7 +21,7 @@ from common import (  # benchmarks/common.py, first on sys.path: puts the reposi
     Report,
     add_save_flag,
 )
-from lmrepo.launch import launch_command
+from lmrepo.distributed.launch import launch_command
 
 TINY = [*TINY_JOB, "trainer.max_steps=6", "schedule.warmup_steps=1", "trainer.eval_batches=2"]
 

@@ -6,7 +6,7 @@ for throughput. Every arm trains the same model (train.py's preset and seed) on 
   fp32 weights, bf16 autocast (when the job is bf16), torch.compile'd, torch's fused AdamW,
   clipping on the device, every batch on the device before the clock starts, nothing read back
   until the timing window ends; on a CPU, glibc's malloc keeping freed memory as train.py's does
-  (lmrepo.cpu_malloc). Run first and last: the two say how much the machine drifted.
+  (lmrepo.utils.cpu_malloc). Run first and last: the two say how much the machine drifted.
 - R1, the DeepSpeed tutorials' bare loop (`engine(**batch).loss; engine.backward(loss);
   engine.step()`) on the DeepSpeed engine and config train.py builds.
 - train.py's arms: `python train.py` itself (in the worker process, unchanged) as shipped and
@@ -16,7 +16,7 @@ for throughput. Every arm trains the same model (train.py's preset and seed) on 
 Per arm: tokens/s and ms/step (median over the timed steps: R0 and R1 time each step with CUDA
 events, train.py arms over their logging windows), the ratio to R0 (the figure), MFU, peak
 memory, the loss at a fixed step, the first step's extra seconds (compile, allocation), and the
-host's waits for the device per step (lmrepo.host_syncs: CUDA's own count on a GPU, reads of
+host's waits for the device per step (lmrepo.observability.host_syncs: CUDA's own count on a GPU, reads of
 tensor values on a CPU), counted over steps after the timed ones.
 
     python benchmarks/bench_throughput.py          # GPU: GPT-2 124M, bf16, 8 x 1024, then the largest micro batch
@@ -140,7 +140,7 @@ def timed_steps(step, spec: dict, device) -> dict:
     step's extra seconds, the losses, peak memory and the host syncs per counted step."""
     import torch
 
-    from lmrepo.host_syncs import host_sync_counter
+    from lmrepo.observability.host_syncs import host_sync_counter
 
     cuda = device.type == "cuda"
     warmup, timed, counted = spec["warmup"], spec["timed"], spec["count_steps"]
@@ -194,7 +194,7 @@ def timed_steps(step, spec: dict, device) -> dict:
 def memory_gb(device) -> float:
     import torch
 
-    from lmrepo.metrics import memory_gb as rank_memory_gb
+    from lmrepo.observability.metrics import memory_gb as rank_memory_gb
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
@@ -211,12 +211,12 @@ def run_r0(spec: dict) -> dict:
     import torch
 
     from lmrepo.engines.deepspeed import param_groups
-    from lmrepo.schedules import build_scheduler
+    from lmrepo.optim.schedules import build_scheduler
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if device.type == "cpu":  # tuned on a CPU as train.py is: freed memory kept for the next step
-        from lmrepo import cpu_malloc
+        from lmrepo.utils import cpu_malloc
 
         cpu_malloc.keep_freed_memory()
     model = common.model_of(spec).to(device)
@@ -250,7 +250,7 @@ def run_r1(spec: dict) -> dict:
     """The DeepSpeed tutorials' bare loop on train.py's DeepSpeed engine and config."""
     import torch
 
-    from lmrepo.launch import ensure_single_process_env, init_distributed
+    from lmrepo.distributed.launch import ensure_single_process_env, init_distributed
 
     ensure_single_process_env()
     init_distributed()
@@ -274,8 +274,8 @@ def run_train(spec: dict) -> dict:
     last spec["count_steps"] steps from the step boundaries fit() marks (the watchdog's beat)."""
     import torch
 
-    from lmrepo import watchdog
-    from lmrepo.host_syncs import host_sync_counter
+    from lmrepo.observability.host_syncs import host_sync_counter
+    from lmrepo.train import watchdog
 
     device_type = "cuda" if torch.cuda.is_available() and "trainer.device=cpu" not in spec["job"] else "cpu"
     first_counted = spec["warmup"] + spec["timed"]
@@ -362,7 +362,7 @@ class Ruler:
                 + ", ".join(name for name, *_ in ARMS)
             )
         if not args.arms and not self.cuda and not self.eager:
-            from lmrepo.device import cpu_native_bf16
+            from lmrepo.distributed.device import cpu_native_bf16
 
             if not cpu_native_bf16():
                 wanted.remove("ds-z0-autocast")
@@ -376,8 +376,8 @@ class Ruler:
 
     def plan(self, micro_batch: int | None):
         """train.py's plan of the job at this micro batch: config (autos resolved) and DeepSpeed dict."""
-        from lmrepo.compose import compose_config
-        from lmrepo.plan import plan
+        from lmrepo.plan.compose import compose_config
+        from lmrepo.plan.job import plan
 
         job = [*self.job, *([f"trainer.micro_batch_size={micro_batch}"] if micro_batch else [])]
         # one step more than the arms time and count: a step's syncs are counted up to the next
@@ -389,7 +389,7 @@ class Ruler:
     def prepare(self) -> None:
         from lmrepo.config import to_dict
         from lmrepo.data.prepare import prepare_sources
-        from lmrepo.tokenizer import load_tokenizer
+        from lmrepo.data.tokenizer import load_tokenizer
 
         self.base_job, job_plan = self.plan(None)
         config = job_plan.config
@@ -502,7 +502,7 @@ class Ruler:
     def figures(self) -> list[dict]:
         """One row per arm that ran: the measured figures with tokens/s, MFU and the ratio to R0 at
         the same micro batch."""
-        from lmrepo.metrics import device_name, flops_per_token, peak_tflops
+        from lmrepo.observability.metrics import device_name, flops_per_token, peak_tflops
 
         shape, block = self.config.model.shape(), self.config.data.block_size
         flops = flops_per_token(shape["n_layer"], shape["n_embd"], block, shape["vocab_size"], recompute=False)

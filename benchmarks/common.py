@@ -13,7 +13,7 @@ and prints the table. Not part of the lmrepo package: the benchmarks import it a
   the batches train.py reads, materialized before the clock starts, one step at a time: the
   ruler the other loops are paired with, eager and (arm "compiled") after `engine.compile()`.
 - `bare_loop`: the bare loop alone (eager; eager against compiled, or against a twin);
-  `fit_and_bare`: lmrepo.loop.fit with a bare step after each of its steps; `hf_trainer`:
+  `fit_and_bare`: lmrepo.train.loop.fit with a bare step after each of its steps; `hf_trainer`:
   Hugging Face Trainer on the same model, batches and DeepSpeed config, with a bare step after
   each of its steps.
 - `model_state_memory`: on each of 2 ranks, the bytes of the tensors each ZeRO stage keeps for
@@ -40,14 +40,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # lmrepo and hydra_plugins/ (conf/train.yaml names its launcher) as train.py finds them
     sys.path.insert(1, str(REPO))
 
-from lmrepo import ops  # noqa: E402  (after the path above)
 from lmrepo.compare import read_metrics  # noqa: E402
 from lmrepo.data.loader import Layout, LMData  # noqa: E402
-from lmrepo.device import isolate_compile_cache  # noqa: E402
+from lmrepo.distributed.device import isolate_compile_cache  # noqa: E402
+from lmrepo.utils import ops  # noqa: E402  (after the path above)
 
 # train.py's build directory and ninja for DeepSpeed's ops, also in a worker that never starts
 # lmrepo's process group: a benchmark started without the venv on PATH would otherwise build
-# them with the system's ninja, and each ninja then rebuilds what the other built (lmrepo/ops.py).
+# them with the system's ninja, and each ninja then rebuilds what the other built (lmrepo/utils/ops.py).
 ops.pin_builds()
 
 # What hides native bf16 from torch, as on an AMD Zen 3: oneDNN's kernels and ATen's dispatch capped at AVX2.
@@ -432,7 +432,7 @@ def bare_loop(spec: dict) -> dict:
     """The tutorials' bare loop alone: step times (s) and losses per arm. Several arms take turns in blocks
     of `spec["block"]` steps: a compiled engine stepped between eager steps slowed those eager
     steps by about 3% here (cause not pinned down), in blocks that cost falls on few steps."""
-    from lmrepo.launch import ensure_single_process_env
+    from lmrepo.distributed.launch import ensure_single_process_env
 
     ensure_single_process_env()
     arms = BareArms(spec, spec["arms"])
@@ -445,7 +445,7 @@ def bare_loop(spec: dict) -> dict:
 
 
 def fit_and_bare(spec: dict) -> dict:
-    """train.py's loop (lmrepo.loop.fit with lmrepo's engine, data, throughput and sinks, as
+    """train.py's loop (lmrepo.train.loop.fit with lmrepo's engine, data, throughput and sinks, as
     lmrepo.run.train wires them) with the bare arms stepped right after each of its steps, inside
     the metrics sink: each pair of steps sees the same machine load. fit's step time is the wall
     time between its consecutive metrics lines (everything the loop does) less the bare step
@@ -453,17 +453,17 @@ def fit_and_bare(spec: dict) -> dict:
     from transformers import set_seed
 
     from lmrepo.config import TrainConfig, from_dict
-    from lmrepo.device import detect_device
-    from lmrepo.ds_config import batch_of
+    from lmrepo.distributed.device import detect_device
+    from lmrepo.distributed.launch import init_distributed
+    from lmrepo.distributed.layout import ParallelLayout
     from lmrepo.engines import build_engine
-    from lmrepo.launch import init_distributed
-    from lmrepo.layout import ParallelLayout
-    from lmrepo.loggers import build_sinks
-    from lmrepo.loop import TrainState, fit
-    from lmrepo.plan import Plan
+    from lmrepo.observability.loggers import build_sinks
+    from lmrepo.plan.ds_config import batch_of
+    from lmrepo.plan.job import Plan
     from lmrepo.run import throughput_of
+    from lmrepo.train.loop import TrainState, fit
 
-    config = from_dict(TrainConfig, spec["config"])  # loaded and resolved (lmrepo.plan.plan) by the orchestrator
+    config = from_dict(TrainConfig, spec["config"])  # loaded and resolved (lmrepo.plan.job.plan) by the orchestrator
     ds = spec["ds_config"]
     device = detect_device(config.trainer.device)
     init_distributed()
@@ -510,7 +510,7 @@ def hf_trainer(spec: dict) -> dict:
     """Hugging Face Trainer with the DeepSpeed config train.py wrote, on the same samples in the
     same order, with the bare arms stepped after each of its steps (a callback). Its step time is
     the wall time between consecutive step ends less the bare step in between."""
-    from lmrepo.launch import ensure_single_process_env
+    from lmrepo.distributed.launch import ensure_single_process_env
 
     ensure_single_process_env()
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -656,7 +656,7 @@ def model_state_memory(spec: dict) -> list[dict]:
     batch, tokens) of random ids, by default the job's micro batch of blocks."""
     import torch.distributed as dist
 
-    from lmrepo.launch import init_distributed
+    from lmrepo.distributed.launch import init_distributed
 
     init_distributed()
     gc.freeze()  # what the imports made stays out of the collections between engines (0.5 s each here)
@@ -707,7 +707,7 @@ def two_rank_arm(overrides: list[str], steps: int, workdir: Path) -> dict:
     import resource
     import tempfile
 
-    from lmrepo.launch import launch_command
+    from lmrepo.distributed.launch import launch_command
 
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -765,7 +765,7 @@ def rows_from_two_ranks(script: str, argv: list[str]) -> dict:
     returns what its rank 0 wrote there (the benchmarks whose ranks measure themselves)."""
     import tempfile
 
-    from lmrepo.launch import launch_command
+    from lmrepo.distributed.launch import launch_command
 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix=f"lmrepo-{Path(script).stem}-") as tmp:

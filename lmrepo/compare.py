@@ -1,7 +1,7 @@
 """Compare finished runs: one row per job (from run directories on disk, or from W&B) as a
 markdown table, the differences between the jobs that the sweep did not ask for, and plots of
 loss, learning rate, throughput and memory. Used by scripts/compare.py and by the sweep
-launcher's summary. Every figure is computed by lmrepo.figures, as in the done line and W&B."""
+launcher's summary. Every figure is computed by lmrepo.observability.figures, as in the done line and W&B."""
 
 import json
 import re
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from lmrepo.figures import DEFINITIONS, read_metrics, run_figures, throughput_text
+from lmrepo.observability.figures import DEFINITIONS, read_metrics, run_figures, throughput_text
 
 __all__ = ["read_metrics"]  # re-exported: the launcher and the benchmarks read metrics.jsonl through here
 
@@ -207,7 +207,7 @@ def _series(metrics: list[dict], key: str) -> list[dict]:
 
 
 def summarize(job: Job) -> dict:
-    """The job's row: the table's columns (lmrepo.figures computes each), plus the spread of its
+    """The job's row: the table's columns (lmrepo.observability.figures computes each), plus the spread of its
     throughput, its error and its setting."""
     figures = run_figures(job.metrics)
     train = _series(job.metrics, "loss")
@@ -384,7 +384,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def definitions(columns: list[str]) -> str:
-    """The meaning of each figure the table shows, in lmrepo.figures' words."""
+    """The meaning of each figure the table shows, in lmrepo.observability.figures' words."""
     lines = [f"- **{c}**: {DEFINITIONS[c]}" for c in columns if c in DEFINITIONS]
     return "How each figure is computed:\n\n" + "\n".join(lines) + "\n"
 
@@ -577,7 +577,7 @@ def load_studies(dirs: list[Path]) -> list:
         return []
     import optuna
 
-    from lmrepo.quiet import OPTUNA_SWEEPER_DEPRECATIONS
+    from lmrepo.utils.quiet import OPTUNA_SWEEPER_DEPRECATIONS
 
     # The sweeper stored Optuna's deprecated distributions: reading them back warns, for nothing to change.
     warnings.filterwarnings("ignore", message=OPTUNA_SWEEPER_DEPRECATIONS, category=FutureWarning)

@@ -8,7 +8,7 @@ Pure functions: no process group, no GPU. Sources:
 - activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (its closed form: tensor parallel size 1, no sequence parallelism), and per layout the
   count of what the model's forward saves, on fake tensors (`counted_activations`);
-- FLOPs and time: lmrepo.metrics (the 72/96 forms of Narayanan et al. 2021) and its 8*T*P/(n*X).
+- FLOPs and time: lmrepo.observability.metrics (the 72/96 forms of Narayanan et al. 2021) and its 8*T*P/(n*X).
 """
 
 import contextlib
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmrepo import tp as tp_plans
-from lmrepo.device import TORCH_DTYPES
+from lmrepo.distributed import tp as tp_plans
+from lmrepo.distributed.device import TORCH_DTYPES
 from lmrepo.models import FAMILIES
 
 
@@ -199,9 +199,9 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
     splits counted 1/tp, the head a vocabulary-parallel loss splits as tensor-parallel rank `tp_rank`
     holds it (rank 0 holds the most where the vocabulary does not divide). One entry per pipeline
     rank (one without a pipeline). `net`: meta_model's."""
+    from lmrepo.distributed.tp import block_tp_plan
     from lmrepo.engines.fsdp2 import own_plan
     from lmrepo.models import transformer_blocks
-    from lmrepo.tp import block_tp_plan
 
     split, by_rows = set(), set()
     if layout.tp > 1:
@@ -358,7 +358,7 @@ def counted_activations(
 ) -> ActivationCount | None:
     """What one rank's forward of one micro batch saves for backward, counted on fake tensors (no
     memory, no compute; the kernels a CPU run picks, fused attention among them) by
-    lmrepo.saved_activations, on a model of 2 blocks: transformers' model as train.py builds it,
+    lmrepo.observability.saved_activations, on a model of 2 blocks: transformers' model as train.py builds it,
     or with `pipelined` the pipeline's layers (lmrepo.models.pipe) and its loss, layer by layer.
     Tensor parallelism over `tp` ranks: the block of one rank's slice (heads, key/value heads and
     the MLP's width / tp; the norms and the residual stream whole), as torch's and DeepSpeed's
@@ -375,7 +375,7 @@ def counted_activations(
 
     from lmrepo.engines.torch_pipeline import build_layer
     from lmrepo.models import causal_loss, pipe, transformer_blocks
-    from lmrepo.saved_activations import SavedActivations
+    from lmrepo.observability.saved_activations import SavedActivations
 
     if model_cfg.family == "mixtral":
         return None

@@ -9,12 +9,13 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from transformers import AutoConfig
 
-from lmrepo import checkpoint, safe_load
 from lmrepo.config import ModelConfig, from_dict
+from lmrepo.data.tokenizer import load_tokenizer
 from lmrepo.engines.layer_files import by_model_name, weights_file
-from lmrepo.errors import ConfigError
 from lmrepo.models import FAMILIES, mixtral, pipe
-from lmrepo.tokenizer import load_tokenizer
+from lmrepo.train import checkpoint
+from lmrepo.utils import safe_load
+from lmrepo.utils.errors import ConfigError
 
 
 def consolidated_state_dict(directory: Path, tag: str, states: dict, model: torch.nn.Module) -> dict:

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from lmrepo import checkpoint, launch
-from lmrepo.device import TORCH_DTYPES
-from lmrepo.errors import ConfigError, exit_error
+from lmrepo.distributed import launch
+from lmrepo.distributed.device import TORCH_DTYPES
+from lmrepo.train import checkpoint
+from lmrepo.utils.errors import ConfigError, exit_error
 
 TIMED_FORWARDS = 5  # fill-mask: one forward is too short to time alone
 
@@ -105,7 +106,7 @@ def inference_plan(model, world: int, device_type: str) -> bool:
     with DeepSpeed's reason when neither can run here."""
     from deepspeed.module_inject.auto_tp import AutoTP
 
-    from lmrepo.tp import autotp_refusal
+    from lmrepo.distributed.tp import autotp_refusal
 
     kernels = AutoTP.kernel_supported(AutoTP.get_module_list(model))
     if kernels and device_type == "cuda":
@@ -233,7 +234,7 @@ def run(options: Options) -> dict:
         kernels = inference_plan(model, world, device_type)
         import deepspeed
 
-        from lmrepo.launch import init_distributed
+        from lmrepo.distributed.launch import init_distributed
 
         init_distributed()
         model = deepspeed.init_inference(
@@ -263,7 +264,7 @@ def main(argv: list[str]) -> None:
     if result["world"] > 1:
         import torch.distributed as dist
 
-        from lmrepo.launch import release_shm_buffer
+        from lmrepo.distributed.launch import release_shm_buffer
 
         release_shm_buffer()
         dist.destroy_process_group()

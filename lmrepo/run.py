@@ -9,27 +9,43 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from transformers import set_seed
 
-from lmrepo import checkpoint, cpu_malloc, launch
 from lmrepo.config import TrainConfig, to_dict
 from lmrepo.data.loader import Layout, LMData
 from lmrepo.data.prepare import prepare_sources
-from lmrepo.ds_config import batch_of, continue_with_saved_adam
+from lmrepo.data.tokenizer import load_tokenizer
+from lmrepo.distributed import launch
 from lmrepo.engines import build_engine
-from lmrepo.errors import ConfigError, TrainingError
 from lmrepo.estimate import active_block_params, checkpointed_layers
 from lmrepo.evaluation import Downstream
 from lmrepo.evaluation.tasks import TaskSet
-from lmrepo.figures import read_metrics, run_figures
-from lmrepo.loggers import build_sinks
-from lmrepo.loop import Throughput, TrainState, fit
-from lmrepo.metrics import device_name, executed_flops_per_token, flops_per_token, machine_name, peak_tflops
-from lmrepo.nvme import use_per_run_swap
-from lmrepo.plan import Plan
-from lmrepo.rundir import check_unused, own, refuse, remove_if_empty, truncate_metrics, write_config_files, write_status
-from lmrepo.stop import StopRequest
-from lmrepo.tokenizer import load_tokenizer
-from lmrepo.user_config import redact
-from lmrepo.watchdog import Watchdog
+from lmrepo.observability.figures import read_metrics, run_figures
+from lmrepo.observability.loggers import build_sinks
+from lmrepo.observability.metrics import (
+    device_name,
+    executed_flops_per_token,
+    flops_per_token,
+    machine_name,
+    peak_tflops,
+)
+from lmrepo.plan.ds_config import batch_of, continue_with_saved_adam
+from lmrepo.plan.job import Plan
+from lmrepo.plan.user_config import redact
+from lmrepo.train import checkpoint
+from lmrepo.train.loop import Throughput, TrainState, fit
+from lmrepo.train.nvme import use_per_run_swap
+from lmrepo.train.rundir import (
+    check_unused,
+    own,
+    refuse,
+    remove_if_empty,
+    truncate_metrics,
+    write_config_files,
+    write_status,
+)
+from lmrepo.train.stop import StopRequest
+from lmrepo.train.watchdog import Watchdog
+from lmrepo.utils import cpu_malloc
+from lmrepo.utils.errors import ConfigError, TrainingError
 
 
 def prepare_job(job: Plan, run_dir: Path):
@@ -139,7 +155,7 @@ def schedule_change(saved: dict, config: TrainConfig, step: int) -> str | None:
 
 def optimizer_change(saved: dict, config: TrainConfig) -> str | None:
     """A resume with other optimizer hyperparameters: the checkpoint's moments continue under this
-    run's values (lmrepo.checkpoint.load sets them back after the load): said in one line."""
+    run's values (lmrepo.train.checkpoint.load sets them back after the load): said in one line."""
     keys = ("optimizer.weight_decay", "optimizer.betas", "optimizer.eps", "optimizer.momentum", "optimizer.ns_method")
     changed = changed_keys(saved, config, keys)
     if not changed:
@@ -148,7 +164,7 @@ def optimizer_change(saved: dict, config: TrainConfig) -> str | None:
 
 
 def done_line(figures: dict, last: dict) -> str:
-    """The run's figures as the tables show them (lmrepo.figures), each named; then the last
+    """The run's figures as the tables show them (lmrepo.observability.figures), each named; then the last
     record's downstream task metrics (eval.tasks)."""
     parts = [f"loss {figures['loss']:.4g}" if figures["loss"] is not None else None]
     if figures["eval_loss"] is not None:
@@ -221,7 +237,7 @@ def engine_data(config: TrainConfig, ds_config: dict, engine, sources, tokenizer
 
 
 def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
-    """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan).
+    """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan.job).
     `checkpoint_requests` is the stop request train.py installed first thing: a signal during
     start-up still counts."""
     # status.json's wall_s covers the whole command: the interpreter's start, imports and planning too
@@ -317,7 +333,7 @@ def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
             downstream=downstream,
         )
         if rank0:
-            # The figures a comparison cites, from metrics.jsonl as compare.py reads it (lmrepo.figures):
+            # The figures a comparison cites, from metrics.jsonl as compare.py reads it (lmrepo.observability.figures):
             # the done line, status.json and the W&B summary say what the tables say.
             figures = run_figures(read_metrics(run_dir / "metrics.jsonl"))
             sinks.summarize(figures)

@@ -20,11 +20,11 @@ import random
 import re
 import sys
 
-from lmrepo.compose import load_config
 from lmrepo.data.prepare import open_tokens, prepare_sources
-from lmrepo.errors import ConfigError, exit_error
+from lmrepo.data.tokenizer import load_tokenizer
 from lmrepo.evaluation.tasks import LOCAL_DIR
-from lmrepo.tokenizer import load_tokenizer
+from lmrepo.plan.compose import load_config
+from lmrepo.utils.errors import ConfigError, exit_error
 
 MIN_WORDS = 12  # a passage gives the model something to go on
 MAX_WORDS = 120  # and fits a small model's positions (256 tokens) with room to spare

@@ -6,7 +6,7 @@
 shm: the CPU all-reduce every multi-rank CPU run uses; cpu_adam: offload=cpu and offload=nvme;
 async_io: offload=nvme (needs libaio); fused_adam: a DeepSpeed JSON whose Adam asks for DeepSpeed's
 own keys. Each takes one to a few minutes on 2 cores, once per
-machine: the builds are kept in the machine's cache (lmrepo/ops.py says where and under which
+machine: the builds are kept in the machine's cache (lmrepo/utils/ops.py says where and under which
 key), and every later checkout or venv with the same DeepSpeed, torch, compiler and CPU loads
 them from there. A run that needs an op not built yet says so in one line before compiling it.
 
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmrepo import ops, quiet
+from lmrepo.utils import ops, quiet
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_CXX = REPO / "tests" / "tools" / "g++-for-tests"
@@ -78,7 +78,7 @@ def missing(names: list[str]) -> list[str] | None:
     other builders). Asked in a child whose output is dropped: importing DeepSpeed (for its
     version, in the cache's key) prints its accelerator notice."""
     code = (
-        "from deepspeed.accelerator import get_accelerator; from lmrepo import ops\n"
+        "from deepspeed.accelerator import get_accelerator; from lmrepo.utils import ops\n"
         f"print('ops:', *(ops.missing({names!r}) if get_accelerator().device_name() == 'cpu' else ['-']))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)

@@ -18,13 +18,14 @@ import os
 import sys
 from dataclasses import dataclass
 
-from lmrepo import estimate, tp
-from lmrepo.compose import load_config
+from lmrepo import estimate
 from lmrepo.config import TrainConfig, layout_check
-from lmrepo.ds_config import resolve_batch
-from lmrepo.errors import ConfigError, exit_error
-from lmrepo.layout import ParallelLayout
-from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
+from lmrepo.distributed import tp
+from lmrepo.distributed.layout import ParallelLayout
+from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops
+from lmrepo.plan.compose import load_config
+from lmrepo.plan.ds_config import resolve_batch
+from lmrepo.utils.errors import ConfigError, exit_error
 
 OWN_KEYS = {
     "world": (int, 1),
@@ -309,8 +310,9 @@ def print_activations(job: Job, net, checkpointed: int) -> None:
         where = f"pipeline rank {rank}" if pipelined else "each rank"
         print(f"  {where:<18}{total / GIB:>9.2f}   ({flight:g} of {microbatches} micro batches in flight)")
     print(
-        "  counted on fake tensors (lmrepo.saved_activations: what autograd keeps for backward, the kernels a CPU run\n"
-        "  picks); a checkpointed block keeps its input, and one block is live again while it is recomputed"
+        "  counted on fake tensors (lmrepo.observability.saved_activations: what autograd keeps for backward,\n"
+        "  the kernels a CPU run picks); a checkpointed block keeps its input, and one block is live again\n"
+        "  while it is recomputed"
     )
 
 

@@ -15,11 +15,11 @@ tensor-parallel checkpoint or a hub task without network: one line on stderr, ex
 
 import sys
 
-from lmrepo import quiet
+from lmrepo.utils import quiet
 
 quiet.install()  # before DeepSpeed is imported: its accelerator notice is no line for the user
 
-from lmrepo.evaluation.command import main  # noqa: E402
+from lmrepo.evaluate import main  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1:])

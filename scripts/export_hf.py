@@ -9,12 +9,12 @@ Then: AutoModelForCausalLM.from_pretrained("exported/") (GPT-2) or AutoModelForM
 import argparse
 from pathlib import Path
 
-from lmrepo import quiet
+from lmrepo.utils import quiet
 
 quiet.install()  # before DeepSpeed is imported: its accelerator notice is no line for the user
 
-from lmrepo.errors import ConfigError, exit_error  # noqa: E402
 from lmrepo.export import export  # noqa: E402
+from lmrepo.utils.errors import ConfigError, exit_error  # noqa: E402
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ A bad argument or a refused layout: one line on stderr, exit 2.
 
 import sys
 
-from lmrepo import quiet
+from lmrepo.utils import quiet
 
 quiet.install()  # before DeepSpeed is imported: its accelerator notice is no line for the user
 

@@ -1,5 +1,5 @@
 """The pages generated from the config: the option reference (from the typed schema) and the
-tables of docs/sweeps.md (the recipes in conf/experiment/, the figures of lmrepo/figures.py).
+tables of docs/sweeps.md (the recipes in conf/experiment/, the figures of lmrepo/observability/figures.py).
 
 python scripts/options_reference.py            # print docs/reference/options.md as it should be
 python scripts/options_reference.py --write    # write it, and docs/sweeps.md's generated tables
@@ -7,8 +7,8 @@ python scripts/options_reference.py --write    # write it, and docs/sweeps.md's 
 
 import sys
 
-from lmrepo.compose import compose_config
 from lmrepo.config.reference import OPTIONS_PAGE, SWEEPS_PAGE, markdown, with_generated_tables
+from lmrepo.plan.compose import compose_config
 
 
 def options_page() -> str:

@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from lmrepo.compose import load_config
 from lmrepo.data.prepare import load_meta, prepare_sources
-from lmrepo.errors import ConfigError, exit_error
-from lmrepo.tokenizer import load_tokenizer
+from lmrepo.data.tokenizer import load_tokenizer
+from lmrepo.plan.compose import load_config
+from lmrepo.utils.errors import ConfigError, exit_error
 
 
 def describe(directory: Path, reused: bool, weight: float | None) -> str:

@@ -1,6 +1,6 @@
 """The pairs of techniques the suite runs together, and what each pair is compared with.
 
-Every pair of the composition matrix's axes (lmrepo.config.rules.AXES) that the rules table
+Every pair of the composition matrix's axes (lmrepo.plan.rules.AXES) that the rules table
 allows is one case of tests/test_composition.py: a tiny Llama (or a Mixtral of the same shape for
 the MoE axis) on 2 CPU ranks, fp32 unless the pair has bf16, a few AdamW steps with clipping
 active, against a reference run of the same job without one of the two techniques, by what that
@@ -39,7 +39,7 @@ import itertools
 import json
 from pathlib import Path
 
-from lmrepo.config.rules import AXES, EXCLUSIVE
+from lmrepo.plan.rules import AXES, EXCLUSIVE
 
 # A tiny Llama that every axis runs on: 4 heads and 2 key/value heads (tensor and sequence
 # parallelism split both by 2), 2 layers (a 2-stage pipeline holds one each), GPT-2's bytes for
@@ -187,7 +187,7 @@ def pairs() -> list[tuple[str, str]]:
 
 def allowed_pairs() -> list[tuple[str, str]]:
     """The pairs no row of the rules table refuses."""
-    from lmrepo.config import rules
+    from lmrepo.plan import rules
 
     return [pair for pair in pairs() if frozenset(pair) not in rules.pair_rules()]
 

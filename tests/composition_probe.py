@@ -29,18 +29,18 @@ import torch.distributed as dist
 from composition import case_dir
 from transformers import set_seed
 
-from lmrepo import checkpoint
-from lmrepo.compose import compose_config
 from lmrepo.config import to_dict
 from lmrepo.data.prepare import prepare_sources
+from lmrepo.data.tokenizer import load_tokenizer
+from lmrepo.distributed.launch import init_distributed, world_size
 from lmrepo.engines import build_engine
-from lmrepo.errors import ConfigError
-from lmrepo.launch import init_distributed, world_size
-from lmrepo.loop import TrainState
-from lmrepo.plan import plan
+from lmrepo.observability.saved_activations import SavedActivations
+from lmrepo.plan.compose import compose_config
+from lmrepo.plan.job import plan
 from lmrepo.run import engine_data
-from lmrepo.saved_activations import SavedActivations
-from lmrepo.tokenizer import load_tokenizer
+from lmrepo.train import checkpoint
+from lmrepo.train.loop import TrainState
+from lmrepo.utils.errors import ConfigError
 
 DEEPSPEED_GROUPS = {  # deepspeed.utils.groups' module state, as import leaves it
     "_EXPERT_PARALLEL_GROUP": dict,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lmrepo.compose import compose_config  # noqa: F401  (tests import it from here)
-from lmrepo.device import Device
-from lmrepo.launch import free_port, launch_command  # noqa: F401  (tests import free_port from here)
+from lmrepo.distributed.device import Device
+from lmrepo.distributed.launch import free_port, launch_command  # noqa: F401  (tests import free_port from here)
+from lmrepo.plan.compose import compose_config  # noqa: F401  (tests import it from here)
 
 # Devices as DeepSpeed's accelerators describe them, for checks that depend on the hardware.
 CPU = Device("cpu", fp16=False, bf16=True, native_bf16=True, description="CPU (test)")
@@ -40,7 +40,7 @@ def pin_op_builds() -> None:
     (scripts/build_ops.py, with tools/g++-for-tests), and train.py's build directory for any op
     the cache lacks. CXX is left alone: inductor compiles with it too, and the wrapper, a Python
     script, cost a process start per compile of every compiled case."""
-    from lmrepo import ops
+    from lmrepo.utils import ops
 
     if (cache := ops.machine_cache()) is not None:
         os.environ["LMREPO_OPS_CACHE"] = str(cache)
@@ -63,7 +63,7 @@ def wait_passively_for_openmp_work() -> None:
 def share_the_cores_between_workers() -> None:
     """`make test` runs two test files at once (pytest-xdist's workers) on a machine of as many
     cores: each worker, and every process its tests start, takes its share of the cores, as CPU
-    ranks do (lmrepo.launch.share_cpu_cores). Otherwise each single-process run takes a thread per
+    ranks do (lmrepo.distributed.launch.share_cpu_cores). Otherwise each single-process run takes a thread per
     core beside the other worker's processes: three files (test_train, test_checkpoint,
     test_evaluate) took 546 s against 414 s with one thread each, on a 2-core EPYC. Unless the user
     set OMP_NUM_THREADS; without xdist's workers nothing changes."""
@@ -210,7 +210,7 @@ TINY = [
     "model.tokenizer=bytes",
     "model.vocab_size=257",
 ]
-# TINY tokenizes by GPT-2's bytes (257 tokens: lmrepo.tokenizer.gpt2_bytes); GPT2 puts its BPE back,
+# TINY tokenizes by GPT-2's bytes (257 tokens: lmrepo.data.tokenizer.gpt2_bytes); GPT2 puts its BPE back,
 # for a test about that vocabulary (50,257 rows: the embedding is then 97% of TINY's parameters).
 GPT2 = ("model.tokenizer=gpt2", "model.vocab_size=50257")
 BERT = ("model=bert-tiny", "model.tokenizer=bert", "model.vocab_size=30522")  # after TINY: its WordPiece back
@@ -224,9 +224,9 @@ BF16 = ("precision=bf16", "trainer.micro_batch_size=1")
 def shm_buffers():
     """Runs killed on purpose (kill -9 tests) cannot unlink DeepSpeed's /dev/shm all-reduce
     buffers themselves: at the end, remove those no live process maps, as a run's start does
-    (lmrepo.launch.remove_stale_shm: a minute old, so that the buffers another pytest worker's run
+    (lmrepo.distributed.launch.remove_stale_shm: a minute old, so that the buffers another pytest worker's run
     is creating right now stay; removing those once hung that run's ranks in DeepSpeed's init)."""
-    from lmrepo.launch import remove_stale_shm
+    from lmrepo.distributed.launch import remove_stale_shm
 
     yield
     remove_stale_shm()
@@ -242,7 +242,7 @@ def shared_temp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def token_cache(tmp_path_factory):
     """One lmrepo cache for the session, across workers too: Shakespeare is tokenized once (the
-    prepare step holds a file lock) and the CPU asked about once (lmrepo.cpuinfo_cache)."""
+    prepare step holds a file lock) and the CPU asked about once (lmrepo.utils.cpuinfo_cache)."""
     cache = os.environ.get("LMREPO_TEST_CACHE") or str(shared_temp(tmp_path_factory) / "lmrepo-cache")
     Path(cache).mkdir(exist_ok=True)
     os.environ["LMREPO_CACHE"] = cache
@@ -305,7 +305,7 @@ def launcher(ranks: int, via: str = "direct") -> list[str]:
     the ranks started directly, one process each with the env:// variables, as srun starts them
     (tests/tools/start_ranks.py, forked from the worker's fork server), or `torchrun` or
     `deepspeed`, the launchers users type, under
-    which the ranks run the same way (lmrepo.launch gives DeepSpeed's shared-memory all-reduce
+    which the ranks run the same way (lmrepo.distributed.launch gives DeepSpeed's shared-memory all-reduce
     LOCAL_SIZE under each). A launcher only where the test is about it (a signal it forwards, a rank
     it ends, its exit code on a refusal, `--local_rank`, a command a user types): torchrun's agent
     imports torch before the first rank starts, and DeepSpeed's runner and launch.py each import
@@ -472,7 +472,7 @@ def env_without_wandb_key(home: Path) -> dict:
 def validate(cfg, world: int, device: Device) -> tuple[dict, list[str]]:
     """train.py's checks of a composed config for `world` ranks on `device`: (DeepSpeed dict,
     keys the user's JSON changed), or a ConfigError."""
-    from lmrepo.plan import plan
+    from lmrepo.plan.job import plan
 
     job = plan(cfg, world, device)
     return job.ds_config, job.user_changed

@@ -17,12 +17,12 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import set_seed
 
-from lmrepo.compose import compose_config
 from lmrepo.data.loader import Layout, LMData
-from lmrepo.device import detect_device
-from lmrepo.ds_config import batch_of
+from lmrepo.distributed.device import detect_device
 from lmrepo.engines import build_engine
-from lmrepo.plan import plan
+from lmrepo.plan.compose import compose_config
+from lmrepo.plan.ds_config import batch_of
+from lmrepo.plan.job import plan
 from lmrepo.run import prepare_job
 
 

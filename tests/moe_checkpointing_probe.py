@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from probe_job import start_job
 
-from lmrepo.launch import init_distributed
+from lmrepo.distributed.launch import init_distributed
 
 CHECKPOINTING = {
     "none": ["checkpointing=none"],

@@ -13,7 +13,7 @@ import torch
 from probe_job import start_job
 from transformers import set_seed
 
-from lmrepo.launch import init_distributed, prepare_argv
+from lmrepo.distributed.launch import init_distributed, prepare_argv
 from lmrepo.models import build_model
 
 
@@ -45,7 +45,7 @@ def reference_losses(cfg, batches_per_step: list) -> tuple[list[float], dict]:
     set_seed(cfg.trainer.seed)
     net = build_model(cfg.model)
     opt = cfg.optimizer
-    # GPT-2's roles written out by name here, independently of lmrepo.muon: the blocks' 2-D
+    # GPT-2's roles written out by name here, independently of lmrepo.optim.muon: the blocks' 2-D
     # weights (Conv1D) take Muon; wte, wpe (and the head tied to wte), norms and biases AdamW.
     named = dict(net.named_parameters())
     hidden = [p for n, p in named.items() if n.startswith("transformer.h.") and p.ndim == 2]

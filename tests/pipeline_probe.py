@@ -11,8 +11,8 @@ import torch.distributed as dist
 from probe_job import start_job
 from transformers import set_seed
 
+from lmrepo.distributed.launch import init_distributed, prepare_argv
 from lmrepo.engines.base import pipeline_inputs
-from lmrepo.launch import init_distributed, prepare_argv
 from lmrepo.models import build_model
 
 

@@ -202,7 +202,7 @@ def test_a_global_batch_derives_the_accumulation_on_any_rank_count():
     rank count (as DeepSpeed derives it from train_batch_size), so a run resumed on fewer ranks keeps
     its global batch; a grad_accum given on the command line is still checked."""
     from conftest import CPU, compose_config, validate
-    from lmrepo.errors import ConfigError
+    from lmrepo.utils.errors import ConfigError
 
     for ranks, accum in ((1, 4), (2, 2), (4, 1)):
         ds, _ = validate(compose_config(["trainer.global_batch_size=32", "trainer.micro_batch_size=8"]), ranks, CPU)
@@ -213,7 +213,7 @@ def test_a_global_batch_derives_the_accumulation_on_any_rank_count():
 
 def test_a_one_stage_pipeline_is_said():
     from conftest import CPU, compose_config
-    from lmrepo.plan import plan
+    from lmrepo.plan.job import plan
 
     notes = plan(compose_config(["pipeline=gpipe", "pipeline.stages=1"]), 1, CPU).notes
     assert any(

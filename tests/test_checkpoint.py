@@ -166,7 +166,7 @@ def test_export_loads_in_transformers_with_the_runs_eval_loss(launch2, tmp_path,
 
     from lmrepo.data.loader import Layout, LMData
     from lmrepo.data.prepare import prepare
-    from lmrepo.tokenizer import load_tokenizer
+    from lmrepo.data.tokenizer import load_tokenizer
 
     run_dir = launch2(f"zero=stage{stage}", "precision=fp32")
     out = tmp_path / "hf"

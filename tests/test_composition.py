@@ -1,4 +1,4 @@
-"""Every pair of techniques, together: refused by a row of the rules table (lmrepo/config/rules.py)
+"""Every pair of techniques, together: refused by a row of the rules table (lmrepo/plan/rules.py)
 with its reason, or run on 2 CPU ranks and compared with the run it claims to equal
 (tests/composition.py says which, and how). All the pairs run in one launch
 (tests/composition_probe.py: the ranks start once, then build, step and drop one configuration
@@ -28,11 +28,11 @@ import composition
 import pytest
 
 from conftest import REPO, launcher
-from lmrepo.compose import compose_config
-from lmrepo.config import rules
-from lmrepo.config.rules import AXES
-from lmrepo.errors import ConfigError
-from lmrepo.plan import plan
+from lmrepo.plan import rules
+from lmrepo.plan.compose import compose_config
+from lmrepo.plan.job import plan
+from lmrepo.plan.rules import AXES
+from lmrepo.utils.errors import ConfigError
 
 FP32 = {"loss": 2e-5, "first_norm": 1e-4, "norm": 2e-3}
 BF16 = {"loss": 2e-2, "first_norm": 3e-2, "norm": None}
@@ -51,7 +51,7 @@ ALLOWED = composition.allowed_pairs()
 def refusal(words: list[str]) -> ConfigError | None:
     """The refusal of this job on 2 ranks (its message, and the rules table's row that made it), or
     None when it is allowed."""
-    from lmrepo.device import detect_device
+    from lmrepo.distributed.device import detect_device
 
     try:
         plan(compose_config(words), 2, detect_device("cpu"))

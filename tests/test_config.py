@@ -10,10 +10,10 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from conftest import CONF, CPU, CPU_WITHOUT_BF16, GPU, compose_config, validate
-from lmrepo.compose import load_config
-from lmrepo.ds_config import resolve_batch
-from lmrepo.errors import ConfigError
-from lmrepo.plan import plan
+from lmrepo.plan.compose import load_config
+from lmrepo.plan.ds_config import resolve_batch
+from lmrepo.plan.job import plan
+from lmrepo.utils.errors import ConfigError
 
 MANDATORY = {
     "data=text": "data.paths",
@@ -113,7 +113,7 @@ def test_every_experiment_recipe_composes_and_validates(recipe, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from lmrepo.config import register
-    from lmrepo.launch import register_resolvers
+    from lmrepo.distributed.launch import register_resolvers
 
     register_resolvers()
     register()
@@ -284,7 +284,7 @@ def assert_deepspeed_accepts_scheduler(section: dict) -> None:
     (lmrepo's own WarmupStableDecayLR, which DeepSpeed lacks, is built the same way by lmrepo)."""
     from deepspeed.runtime import lr_schedules
 
-    from lmrepo.schedules import WSD, WarmupStableDecayLR
+    from lmrepo.optim.schedules import WSD, WarmupStableDecayLR
 
     kind = WarmupStableDecayLR if section["type"] == WSD else getattr(lr_schedules, section["type"])
     inspect.signature(kind).bind(None, **section["params"])
@@ -723,7 +723,7 @@ def test_bf16_without_native_bf16_runs_and_warns_with_the_measured_cost():
 def test_a_capped_cpu_isa_compiles_into_a_cache_of_its_own(monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from lmrepo.device import isolate_compile_cache
+    from lmrepo.distributed.device import isolate_compile_cache
 
     for name in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
         monkeypatch.delenv(name, raising=False)
@@ -797,7 +797,7 @@ def test_offloaded_optimizer_keeps_deepspeeds_cpu_adam(offload):
 def test_resume_keeps_the_adam_that_wrote_the_checkpoint(saved_torch, ours_torch):
     """FusedAdam counts Adam's step per parameter group, torch per parameter: a checkpoint continues
     with the implementation that wrote it (a CPU run's checkpoint moved to a GPU, or the reverse)."""
-    from lmrepo.ds_config import continue_with_saved_adam
+    from lmrepo.plan.ds_config import continue_with_saved_adam
 
     def ds(torch_adam: bool) -> dict:
         extra = {"torch_adam": True, "fused": True} if torch_adam else {}

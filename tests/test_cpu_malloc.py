@@ -1,4 +1,4 @@
-"""lmrepo.cpu_malloc: glibc keeps a step's freed memory for the next one (the speed is measured by
+"""lmrepo.utils.cpu_malloc: glibc keeps a step's freed memory for the next one (the speed is measured by
 benchmarks/bench_malloc.py, not here), unless the user chose the allocator."""
 
 import os
@@ -7,13 +7,13 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, REPO
-from lmrepo.cpu_malloc import is_glibc, user_chose_allocator
+from lmrepo.utils.cpu_malloc import is_glibc, user_chose_allocator
 
 # Allocates and frees 200 MB five times, writing every page, after one warm-up allocation; prints
 # whether lmrepo set the thresholds and the page faults of the five.
 PROBE = """
 import resource, sys
-from lmrepo.cpu_malloc import keep_freed_memory
+from lmrepo.utils.cpu_malloc import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 x = b"\\1" * (200 << 20); del x
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import FORKED_PYTHON, REPO
-from lmrepo.compose import load_config
 from lmrepo.data.batches import MixtureOrder, SampleOrder, eval_indices
 from lmrepo.data.corpus import read_pieces, shakespeare_files
 from lmrepo.data.loader import Layout, LMData, MaskedInputs
 from lmrepo.data.prepare import load_meta, open_tokens, prepare, prepare_sources
-from lmrepo.errors import ConfigError
-from lmrepo.tokenizer import load_tokenizer
+from lmrepo.data.tokenizer import load_tokenizer
+from lmrepo.plan.compose import load_config
+from lmrepo.utils.errors import ConfigError
 
 DOCS = ["First document.\nIt has two lines.\n", "Second one, with  double spaces\n\n", "third: no final newline"]
 
@@ -67,7 +67,7 @@ def test_gpt2_tokenizer(gpt2):
 def test_gpt2_bytes_are_gpt2s_byte_tokens_and_round_trip(gpt2):
     """model.tokenizer=bytes: every byte one token, with the id GPT-2's BPE gives that byte alone
     (its first 256 ids), <|endoftext|> as 256; any text (accents, emoji, control bytes) decodes back."""
-    from lmrepo.tokenizer import end_of_text_id
+    from lmrepo.data.tokenizer import end_of_text_id
 
     tokens = load_tokenizer("bytes")
     assert len(tokens) == 257 and tokens.eos_token_id == end_of_text_id("bytes") == 256

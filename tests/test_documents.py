@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY, assert_ok, read_metrics, run_train, train_losses
-from lmrepo.compose import compose_config
 from lmrepo.config import load
 from lmrepo.data.batches import MixtureBlocks, TokenBlocks
 from lmrepo.data.loader import Layout, LMData, separate_documents
 from lmrepo.data.prepare import open_document_starts, open_tokens, prepare
-from lmrepo.errors import ConfigError
+from lmrepo.data.tokenizer import load_tokenizer
 from lmrepo.models import build_model, pipe
-from lmrepo.tokenizer import load_tokenizer
+from lmrepo.plan.compose import compose_config
+from lmrepo.utils.errors import ConfigError
 from numerics import PIPELINE_FP32, STEPS_FP32, VOCAB, assert_close, relative_difference, reordered_sum
 
 # Two rows of 24 tokens: the first cut into documents of 7, 10 and 7 tokens, the second of 3 and 21.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, TINY, read_metrics, run_train
-from lmrepo.device import detect_device
+from lmrepo.distributed.device import detect_device
 
 CONFIGS = REPO / "tests" / "data" / "ds_configs"
 FP16 = detect_device("cpu").fp16  # a CPU with AMX-FP16 computes fp16; most CPUs do not
@@ -93,7 +93,7 @@ def test_an_unused_section_is_checked_once_its_feature_is_on():
     """With checkpointing on, the section's ZeRO-R rules hold (contiguous_memory_optimization needs
     number_checkpoints), said in one line that names the file once."""
     from conftest import CPU, compose_config, validate
-    from lmrepo.errors import ConfigError
+    from lmrepo.utils.errors import ConfigError
 
     path = CONFIGS / "llamafactory_ds_z3_e11_act_ckpt.json"
     with pytest.raises(ConfigError) as err:

@@ -12,8 +12,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from conftest import FORKED_PYTHON, REPO, compose_config
 from lmrepo import estimate
-from lmrepo.compose import load_config
-from lmrepo.metrics import executed_flops_per_token, flops_per_token, peak_tflops
+from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops
+from lmrepo.plan.compose import load_config
 
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 # The well-known totals of the GPT-2 checkpoints as transformers counts them (tied head once).
@@ -127,7 +127,7 @@ def test_model_states_zero_paper_figure_1():
 def test_moe_states_split_the_experts_over_the_expert_parallel_ranks():
     """DeepSpeed-MoE: expert_parallel.size=1 is the dense arithmetic of the whole model; each rank
     holds 1/ep of the experts, and ZeRO partitions their states over the dp/ep ranks holding them."""
-    from lmrepo.compose import load_config
+    from lmrepo.plan.compose import load_config
 
     model = load_config(["model=mixtral-1b"]).model
     experts, params = estimate.expert_parameters(model), estimate.count_parameters(estimate.meta_model(model))
@@ -270,13 +270,13 @@ SMALL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64", "data.block_siz
 )
 def test_activations_counted_on_fake_tensors_are_a_real_forwards(family):
     """What a real CPU forward of the model train.py builds (and of its pipeline layers) saves for
-    backward, counted by lmrepo.saved_activations, equals estimate.counted_activations' count of
+    backward, counted by lmrepo.observability.saved_activations, equals estimate.counted_activations' count of
     the same forward on fake tensors, to the byte: block by block, before and after the blocks."""
     import torch
 
     from lmrepo.engines.torch_pipeline import build_layer
     from lmrepo.models import build_model, pipe, transformer_blocks
-    from lmrepo.saved_activations import SavedActivations
+    from lmrepo.observability.saved_activations import SavedActivations
 
     config = load_config([*family, *SMALL, "precision=fp32"])
     torch.manual_seed(0)
@@ -340,7 +340,7 @@ def test_activations_per_rank_follow_the_split_and_the_schedule_by_hand():
 
 
 def estimate_layout(config):
-    from lmrepo.layout import ParallelLayout
+    from lmrepo.distributed.layout import ParallelLayout
 
     return ParallelLayout.of(config, config.pipeline.stages if config.pipeline.schedule != "none" else 1)
 

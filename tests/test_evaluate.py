@@ -40,8 +40,8 @@ from conftest import (
     run_train,
     validate,
 )
-from lmrepo.errors import ConfigError
-from lmrepo.tokenizer import _package_dir
+from lmrepo.data.tokenizer import _package_dir
+from lmrepo.utils.errors import ConfigError
 from numerics import VOCAB, assert_close, reordered_sum
 
 SCRIPT = str(REPO / "scripts" / "evaluate.py")
@@ -115,8 +115,8 @@ def test_wrapper_agrees_with_the_harness_hf_model(trained, tmp_path):
     generations, every request's log-likelihood within LL_TOL (relative)."""
     from lm_eval.models.huggingface import HFLM
 
+    from lmrepo.data.tokenizer import load_tokenizer
     from lmrepo.export import consolidate, export
-    from lmrepo.tokenizer import load_tokenizer
 
     hf_dir = export(str(trained), tmp_path / "hf")
     whole = consolidate(str(trained))
@@ -192,7 +192,7 @@ def test_script_writes_json_metrics_wandb_and_compare_columns(trained, tmp_path)
 def test_refusals(trained, tmp_path, capsys):
     """Each is one `lmrepo: error:` line and exit 2, before any model is read where it can be
     (in this process: scripts/evaluate.py is this main())."""
-    from lmrepo.evaluation.command import main
+    from lmrepo.evaluate import main
 
     cases = {
         ("tasks=shakespeare_cloze",): "run must be set",
@@ -310,8 +310,8 @@ def test_in_loop_fsdp2_equals_its_checkpoint(tmp_path):
 def test_pipeline_checkpoint_evaluates_like_the_data_parallel_run(launch2):
     """A gpipe checkpoint (per-layer files) consolidated in memory, against the data-parallel run
     of the same global batch (test_pipelining shares both runs)."""
+    from lmrepo.data.tokenizer import load_tokenizer
     from lmrepo.export import consolidate
-    from lmrepo.tokenizer import load_tokenizer
 
     def results(run_dir):
         whole = consolidate(str(run_dir / "checkpoints" / "step_00000003"))

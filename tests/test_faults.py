@@ -147,7 +147,7 @@ def test_a_pickle_with_a_payload_never_runs(saved, tmp_path):
         real = torch.load(states, weights_only=True)
         torch.save({**real, "extra": Payload(marker)}, states, pickle_protocol=pickle.DEFAULT_PROTOCOL)
         # The attacker also rewrites the manifest: the sizes and checksums match the poisoned file.
-        from lmrepo.checkpoint import MANIFEST, file_record
+        from lmrepo.train.checkpoint import MANIFEST, file_record
 
         manifest = json.loads((tag_dir / MANIFEST).read_text())
         manifest["files"][states.name] = list(file_record(states))
@@ -234,7 +234,7 @@ def test_the_preemption_signal_saves_on_every_rank_then_resumes(tmp_path):
 def test_start_up_removes_only_the_shm_buffers_left_by_dead_runs(monkeypatch):
     """What a killed run leaves in /dev/shm (66 MiB per rank) goes at the next start; a buffer
     another job is creating right now (not mapped yet, seconds old) stays."""
-    from lmrepo import launch
+    from lmrepo.distributed import launch
 
     prefix = f"/dev/shm/{launch.SHM_PREFIX}{os.getuid()}_127.0.0.1_"
     left_over, being_created = Path(f"{prefix}1_0"), Path(f"{prefix}2_0")

@@ -32,8 +32,8 @@ from conftest import (
     read_metrics,
     run_train,
 )
-from lmrepo.compose import load_config
-from lmrepo.errors import ConfigError
+from lmrepo.plan.compose import load_config
+from lmrepo.utils.errors import ConfigError
 from numerics import NORM_STEPS, STEPS_FP32, assert_close
 
 FIRST = "checkpoints/step_00000003"
@@ -169,7 +169,7 @@ def test_what_fsdp2_cannot_mean_is_one_line(overrides, says):
     ],
 )
 def test_tensor_parallel_splits_the_norms_and_the_loss_where_they_run(overrides, sequence, vocabulary):
-    from lmrepo import tp
+    from lmrepo.distributed import tp
 
     config = load_config(["engine=fsdp2", *LLAMA_TP, *overrides])
     assert tp.sequence_parallel(config) == sequence
@@ -184,7 +184,7 @@ def test_fsdp2_defaults_to_full_sharding_and_keeps_a_chosen_stage():
 
 @pytest.mark.distributed
 def test_a_checkpoint_of_the_other_engine_is_one_line(launch2):
-    from lmrepo import checkpoint
+    from lmrepo.train import checkpoint
 
     config = load_config(["engine=fsdp2", *TINY])
     source = launch2("zero=stage0", "precision=fp32") / "checkpoints"
@@ -217,8 +217,8 @@ def test_fsdp2_model_states_per_rank_are_the_estimate(tmp_path):
     tensor on rank 0, whose shards are the largest (50,257 embedding rows over 64 ranks: 786 on
     rank 0, 739 on rank 63). A shard over the wrong group, a moment kept whole or a gradient
     not sharded is off by a factor."""
-    from lmrepo.compose import load_config
     from lmrepo.estimate import fsdp2_state_bytes, meta_model, shard_rows
+    from lmrepo.plan.compose import load_config
 
     overrides = [*TINY, "engine=fsdp2"]
     proc = subprocess.run(
@@ -531,8 +531,8 @@ def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, ei
     tensor-parallel slice hold it exactly between them, and each holds its even share up to FSDP2's
     uneven split of dim 0 (at most one row of each tensor more or less). A stage counted whole, a
     slice not divided by tp or a shard not divided by dp_shard is off by a factor of 2 or more."""
+    from lmrepo.distributed.layout import ParallelLayout
     from lmrepo.estimate import fsdp2_rank_parameters, meta_model
-    from lmrepo.layout import ParallelLayout
 
     runs = [(list(words), 4, result) for words, result in four_ranks.runs.items()]
     runs += [(EIGHT_RANKS[name], 8, result) for name, result in eight_ranks.runs.items()]
@@ -556,7 +556,7 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
     """lmrepo.estimate's activations per rank (scripts/estimate.py's layout table: the model's, or
     the pipeline layers', forward counted on fake tensors, times the micro batches in flight)
     against what autograd kept on each rank of every layout in a training step, counted by
-    lmrepo.saved_activations. Measured: equal to the byte on every layout, but for 8 bytes (a
+    lmrepo.observability.saved_activations. Measured: equal to the byte on every layout, but for 8 bytes (a
     scalar of the loss) under tensor parallelism, with each tensor-parallel rank's share of a
     vocabulary split unevenly (129 and 128 rows of 257); held to 1e-4. A block not split by tp is
     1.6x its slice, a schedule's micro batches in flight off by one 1.25x or more, the head on the
@@ -566,7 +566,7 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
     was 1.35x what the 3-D layout's first stage kept (FSDP2's bf16, parameters cast, is compared:
     HSDP in bf16, equal to the byte)."""
     from lmrepo import estimate
-    from lmrepo.layout import ParallelLayout
+    from lmrepo.distributed.layout import ParallelLayout
 
     runs = [(list(words), 4, result) for words, result in four_ranks.runs.items()]
     runs += [(EIGHT_RANKS[name], 8, result) for name, result in eight_ranks.runs.items()]
@@ -646,8 +646,8 @@ def test_a_3d_checkpoint_resumes_exports_evaluates_and_generates_on_one_process(
     from test_evaluate import assert_same_results, in_process
     from transformers import AutoModelForCausalLM
 
+    from lmrepo.data.tokenizer import load_tokenizer
     from lmrepo.export import consolidate
-    from lmrepo.tokenizer import load_tokenizer
 
     continues(one_rank["3-D"], eight_ranks.runs["tensor"], SAVE_AT)
     tags = {

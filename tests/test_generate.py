@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, TORCHRUN, assert_ok, free_port, launcher, run_train
-from lmrepo.device import detect_device
+from lmrepo.data.tokenizer import _package_dir
+from lmrepo.distributed.device import detect_device
 from lmrepo.generate import main, parse_args, run
-from lmrepo.tokenizer import _package_dir
 from numerics import assert_close, reordered_sum
 
 SCRIPT = str(REPO / "scripts" / "generate.py")

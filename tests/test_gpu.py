@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train
-from lmrepo.compose import load_config
-from lmrepo.device import detect_device
+from lmrepo.distributed.device import detect_device
 from lmrepo.estimate import count_parameters, meta_model, model_state_bytes
+from lmrepo.plan.compose import load_config
 from numerics import STEPS_FP32, assert_close
 
 CUDA = torch.cuda.is_available()

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import FORKED_PYTHON, REPO, read_metrics, train_losses, validate
-from lmrepo.compose import compose_checked
 from lmrepo.config import ModelConfig
-from lmrepo.device import detect_device
-from lmrepo.errors import ConfigError
+from lmrepo.distributed.device import detect_device
 from lmrepo.models import build_model
+from lmrepo.plan.compose import compose_checked
+from lmrepo.utils.errors import ConfigError
 from numerics import NORM_STEPS, STEPS_FP32, VOCAB, assert_close, reordered_sum
 
 FIRST = "checkpoints/step_00000003"
@@ -150,7 +150,7 @@ def test_sequence_parallel_attention_keeps_packed_documents_apart():
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lmrepo.sequence_parallel import document_aware, document_mask
+    from lmrepo.distributed.sequence_parallel import document_aware, document_mask
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))

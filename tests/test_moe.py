@@ -192,7 +192,7 @@ def test_flops_and_mfu_count_the_active_experts():
     the model's blocks less the experts it skips and the norms (which the 2-FLOPs rule leaves out)."""
     from lmrepo.config import load
     from lmrepo.estimate import active_block_params, meta_model
-    from lmrepo.metrics import flops_per_token
+    from lmrepo.observability.metrics import flops_per_token
 
     model = load(compose_config(["model=mixtral-tiny"])).model
     blocks = sum(p.numel() for p in meta_model(model).model.layers.parameters())

@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT-built ops (lmrepo/ops.py): a directory and a ninja per interpreter, each build
+"""DeepSpeed's JIT-built ops (lmrepo/utils/ops.py): a directory and a ninja per interpreter, each build
 kept once per machine for every later environment, a line before a build, and no build a
 single-process run does not use."""
 
@@ -36,7 +36,7 @@ def test_a_build_is_announced_before_it_compiles(tmp_path):
     """A real build of the CPU all-reduce with a compiler that fails at once: lmrepo's line comes
     first, naming the op and how to build it ahead."""
     code = (
-        "from lmrepo import ops; ops.pin_builds(); ops.announce_builds()\n"
+        "from lmrepo.utils import ops; ops.pin_builds(); ops.announce_builds()\n"
         "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load(verbose=False)"
     )
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "LMREPO_OPS_CACHE": str(tmp_path / "kept")}
@@ -57,7 +57,7 @@ def test_a_wait_on_another_build_says_so_plainly(tmp_path, age_s):
     lock.touch()
     os.utime(lock, (time.time() - age_s, time.time() - age_s))
     code = (
-        "from lmrepo import ops; ops.pin_builds(); ops.announce_builds()\n"
+        "from lmrepo.utils import ops; ops.pin_builds(); ops.announce_builds()\n"
         "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load(verbose=False)"
     )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "false", "LOCAL_RANK": "0"}
@@ -80,7 +80,9 @@ def test_builds_are_per_interpreter_with_its_own_ninja(tmp_path):
     if not Path(BIN, "ninja").is_file():
         pytest.skip("this interpreter has no ninja of its own")
     plain_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != BIN)
-    code = "import shutil; from lmrepo import ops; ops.pin_builds(); print(shutil.which('ninja'), ops.build_root())"
+    code = (
+        "import shutil; from lmrepo.utils import ops; ops.pin_builds(); print(shutil.which('ninja'), ops.build_root())"
+    )
     env = {"PATH": plain_path, "TORCH_EXTENSIONS_DIR": "", "XDG_CACHE_HOME": str(tmp_path)}
     ninja, root = python(code, env).stdout.split()
     assert ninja == str(Path(BIN, "ninja"))
@@ -91,12 +93,12 @@ def test_builds_are_per_interpreter_with_its_own_ninja(tmp_path):
 
 def test_a_users_directory_is_kept(tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "mine")}
-    code = "import os; from lmrepo import ops; ops.pin_builds(); print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    code = "import os; from lmrepo.utils import ops; ops.pin_builds(); print(os.environ['TORCH_EXTENSIONS_DIR'])"
     assert python(code, env).stdout.strip() == str(tmp_path / "mine")
 
 
 LOAD_SHM = (
-    "from lmrepo import ops; ops.pin_builds(); ops.announce_builds()\n"
+    "from lmrepo.utils import ops; ops.pin_builds(); ops.announce_builds()\n"
     "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; m = B().load(verbose=False)\n"
     "print('loaded', m.__file__, callable(m.initialize))"
 )
@@ -119,7 +121,7 @@ def test_a_build_is_kept_for_every_later_environment(tmp_path):
 
 def test_the_cache_key_names_what_makes_the_build(monkeypatch):
     """Another CPU (its flags: -march=native), compiler, DeepSpeed or torch is another build."""
-    from lmrepo import ops
+    from lmrepo.utils import ops
 
     key = ops.cache_key("cpu_adam")
     assert key.startswith("cpu_adam-") and key == ops.cache_key("cpu_adam")

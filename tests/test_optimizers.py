@@ -11,10 +11,10 @@ import torch
 
 from conftest import CPU, FORKED_PYTHON, GPU, REPO, TINY, assert_ok, compose_config, read_metrics, validate
 from lmrepo.config import load
-from lmrepo.errors import ConfigError
 from lmrepo.models import build_model
-from lmrepo.muon import muon_parameters
-from lmrepo.schedules import build_scheduler
+from lmrepo.optim.muon import muon_parameters
+from lmrepo.optim.schedules import build_scheduler
+from lmrepo.utils.errors import ConfigError
 from numerics import STEPS_FP32, assert_close
 
 FIRST = "checkpoints/step_00000003"

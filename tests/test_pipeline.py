@@ -37,9 +37,9 @@ from conftest import (
     train_losses,
     validate,
 )
-from lmrepo.compose import load_config
-from lmrepo.errors import ConfigError
 from lmrepo.export import export
+from lmrepo.plan.compose import load_config
+from lmrepo.utils.errors import ConfigError
 from numerics import PIPELINE_FP32, VOCAB, assert_close, reordered_sum
 
 PIPELINE = ["pipeline=1f1b", "precision=fp32", "trainer.grad_accum=2", "trainer.save_every=3"]

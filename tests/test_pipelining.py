@@ -149,9 +149,9 @@ def test_which_checkpoints_a_torch_pipeline_resumes(launch2, tmp_path):
     import json
     import shutil
 
-    from lmrepo import checkpoint
-    from lmrepo.compose import load_config
-    from lmrepo.errors import ConfigError
+    from lmrepo.plan.compose import load_config
+    from lmrepo.train import checkpoint
+    from lmrepo.utils.errors import ConfigError
 
     def inspect(source, *overrides):
         config = load_config([*TINY, *PIPE, *overrides])

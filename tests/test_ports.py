@@ -1,4 +1,4 @@
-"""lmrepo.launch.free_port: a rendezvous port no other process can take between the pick and rank
+"""lmrepo.distributed.launch.free_port: a rendezvous port no other process can take between the pick and rank
 0's bind (the kernel's own picks, port 0 and every connection's local port, come from another
 range; other lmrepo processes respect the claim)."""
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import PYTHON, REPO
-from lmrepo import launch
+from lmrepo.distributed import launch
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_processes_picking_side_by_side_never_share_a_port(tmp_path):
     """Four processes, 100 picks each at once, in a stretch of 1,000 ports: no port twice."""
     code = (
         "import tempfile, sys; tempfile.tempdir = sys.argv[1]\n"
-        "from lmrepo import launch\n"
+        "from lmrepo.distributed import launch\n"
         "launch.rendezvous_ports = lambda: range(21000, 22000)\n"
         "print(*(launch.free_port() for _ in range(100)))"
     )

@@ -6,9 +6,9 @@ import re
 import subprocess
 
 from conftest import PYTHON, REPO
-from lmrepo.compose import compose_config
 from lmrepo.config import TrainConfig
 from lmrepo.config.reference import OPTIONS_PAGE, SWEEPS_PAGE, markdown, recipes_table, rows, with_generated_tables
+from lmrepo.plan.compose import compose_config
 
 
 def test_option_reference_page_is_the_generated_one():
@@ -19,8 +19,9 @@ def test_option_reference_page_is_the_generated_one():
 
 
 def test_the_recipes_table_is_the_generated_one():
-    """docs/sweeps.md's generated tables (the recipes of conf/experiment/, the figures of lmrepo/figures.py) are
-    current, and the recipes table lists every recipe with its grid, as the YAML has it."""
+    """docs/sweeps.md's generated tables (the recipes of conf/experiment/, the figures of
+    lmrepo/observability/figures.py) are current, and the recipes table lists every recipe with its
+    grid, as the YAML has it."""
     page = SWEEPS_PAGE.read_text()
     assert page == with_generated_tables(page), (
         "docs/sweeps.md's generated tables are stale: run python scripts/options_reference.py --write"

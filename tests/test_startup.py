@@ -10,7 +10,7 @@ import cpuinfo
 import pytest
 
 from conftest import PYTHON, REPO, TINY
-from lmrepo import cpuinfo_cache
+from lmrepo.utils import cpuinfo_cache
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_deepspeeds_op_builders_read_the_cached_answer(tmp_path):
     file: a processor recorded without SIMD flags makes cpu_adam's builder pick scalar code."""
     (tmp_path / f"cpuinfo-{cpuinfo_cache.processor_key()}.json").write_text(json.dumps({"arch": "X86_64", "flags": []}))
     code = (
-        "from lmrepo import cpuinfo_cache; cpuinfo_cache.install(); "
+        "from lmrepo.utils import cpuinfo_cache; cpuinfo_cache.install(); "
         "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; print(CPUAdamBuilder().simd_width())"
     )
     proc = subprocess.run(

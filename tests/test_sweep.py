@@ -324,7 +324,7 @@ def test_slurm_task_variables_become_a_torch_distributed_environment():
         }
     )
     script = (
-        "import os; from lmrepo.launch import adopt_slurm_env; adopt_slurm_env(); "
+        "import os; from lmrepo.distributed.launch import adopt_slurm_env; adopt_slurm_env(); "
         "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])"
     )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout

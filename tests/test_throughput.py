@@ -12,11 +12,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.activations import ACT2FN
 
 from conftest import CPU, GPU, PYTHON, REPO, compose_config
-from lmrepo.compose import load_config
 from lmrepo.config import compile_by_default
 from lmrepo.estimate import active_block_params
 from lmrepo.models import build_model
-from lmrepo.plan import plan
+from lmrepo.plan.compose import load_config
+from lmrepo.plan.job import plan
 
 
 def test_fused_gelu_is_gpt2s_gelu_new_within_float_rounding():
@@ -157,7 +157,7 @@ def test_the_ruler_runs_every_kind_of_arm_on_the_same_batches(ruler):
 
 def test_a_step_that_does_not_log_reads_at_most_one_value_back(ruler):
     """train.py's steps between logging steps read nothing the step computed back into Python, on
-    one rank (lmrepo.host_syncs counts tensor reads: on a GPU each waits for the device). The one
+    one rank (lmrepo.observability.host_syncs counts tensor reads: on a GPU each waits for the device). The one
     read a step makes is transformers' own: GPT-2's mask code checks the position ids for packed
     sequences in eager mode (`find_packed_sequence_indices`; compiled, it skips the check).
     A logging step reads the loss, the gradient norm and the rest of the metrics line."""
@@ -176,7 +176,7 @@ def test_the_overflow_check_without_zero_reads_once_and_answers_as_deepspeeds():
     from deepspeed.runtime.utils import CheckOverflow
 
     from lmrepo.engines.deepspeed import read_overflow_once
-    from lmrepo.host_syncs import ValueReads
+    from lmrepo.observability.host_syncs import ValueReads
 
     def params(bad_at: int | None, bad: float, missing_grad: int | None = None) -> list:
         out = []

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import BF16, PYTHON, REPO, TINY, assert_ok, launcher, read_metrics, run_train, train_losses, validate
-from lmrepo.compose import compose_checked
-from lmrepo.device import detect_device
-from lmrepo.errors import ConfigError
+from lmrepo.distributed.device import detect_device
 from lmrepo.generate import main as generate_main
+from lmrepo.plan.compose import compose_checked
+from lmrepo.utils.errors import ConfigError
 from numerics import STEPS_FP32, assert_close
 
 # llama-tiny at TINY's size: 2 layers, 64 wide, 2 heads (2 key/value heads), SwiGLU 128.
@@ -75,7 +75,7 @@ def test_llama_autotp_matches_unsharded_and_resumes(tmp_path):
 def test_autotp_bf16_grad_norm_and_clipping_equal_one_process(tmp_path):
     """bf16 without ZeRO: the gradient norm DeepSpeed's mixed-precision optimizer computes is the one
     lmrepo logs and the one it clips by. Under AutoTP it must count both ranks' shards of the split
-    matrices (lmrepo/tp.py): DeepSpeed 0.19.8 left the second rank's out (12% low here).
+    matrices (lmrepo/distributed/tp.py): DeepSpeed 0.19.8 left the second rank's out (12% low here).
     3 steps of the TINY llama in bf16 at a constant rate, clipping at every step
     (trainer.grad_clip=0.05, far below the norm), on 2 AutoTP ranks and as one process
     (tests/grad_clip_probe.py)."""

@@ -21,7 +21,7 @@ from conftest import (
     run_train,
     train_losses,
 )
-from lmrepo.device import detect_device
+from lmrepo.distributed.device import detect_device
 
 CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
 
@@ -145,9 +145,9 @@ def test_a_hub_repository_id_loads_from_the_hub_cache(tmp_path):
     check = """
 import torch
 from safetensors.torch import load_file
-from lmrepo.compose import load_config
+from lmrepo.plan.compose import load_config
 from lmrepo.models import build_model
-from lmrepo.tokenizer import load_tokenizer
+from lmrepo.data.tokenizer import load_tokenizer
 model = load_config(["model=bert-base", "model.pretrained=lmrepo-tests/minilm"]).model
 assert model.shape()["n_layer"] == 6 and model.shape()["n_embd"] == 384, model.shape()
 net = build_model(model)
@@ -305,7 +305,7 @@ def test_cpu_ranks_share_the_cores(env, threads):
     import sys
 
     code = (
-        "from lmrepo.launch import share_cpu_cores; import torch; before = torch.get_num_threads(); "
+        "from lmrepo.distributed.launch import share_cpu_cores; import torch; before = torch.get_num_threads(); "
         "share_cpu_cores(); print(before, torch.get_num_threads())"
     )
     base = {

@@ -29,7 +29,7 @@ from conftest import (
     validate,
 )
 from lmrepo.engines.torch_pipeline import placement
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 from numerics import NORM_STEPS, PIPELINE_FP32, assert_close
 
 GPT2 = ("model.n_layer=4", "pipeline.partition=type:GPT2Block", "trainer.grad_accum=4")

@@ -38,8 +38,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from lmrepo import compare
 from lmrepo.compare import read_metrics
-from lmrepo.figures import objective_value
-from lmrepo.launch import free_port
+from lmrepo.distributed.launch import free_port
+from lmrepo.observability.figures import objective_value
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ def job_error(job: Job, status: dict, stopped_by_sweep: bool, timeout: int | Non
 
 
 def read_objective(run_dir: Path, key: str) -> tuple[float | None, str | None]:
-    """(the run's value for `key`, None) or (None, the error): its figure where lmrepo.figures
+    """(the run's value for `key`, None) or (None, the error): its figure where lmrepo.observability.figures
     defines one (tokens_per_s: the steady figure the tables show), else the last value logged."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -459,7 +459,7 @@ def record_failure(job: Job) -> None:
 
 def print_summary(jobs: list[Job]) -> None:
     """One line per job, its figures computed and written as scripts/compare.py's table does
-    (lmrepo.compare, lmrepo.figures), then what differs between the jobs that the sweep did not
+    (lmrepo.compare, lmrepo.observability.figures), then what differs between the jobs that the sweep did not
     vary, then the best job."""
     runs = []
     for job in jobs:

@@ -15,7 +15,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lmrepo.config import rules
 from lmrepo.config.data import DataConfig, Source, SourceConfig
 from lmrepo.config.evaluation import EvalConfig
 from lmrepo.config.messages import describe_omegaconf_error
@@ -47,8 +46,9 @@ from lmrepo.config.training import (
     ScheduleConfig,
     TrainerConfig,
 )
-from lmrepo.errors import ConfigError, require
-from lmrepo.layout import ParallelLayout
+from lmrepo.distributed.layout import ParallelLayout
+from lmrepo.plan import rules
+from lmrepo.utils.errors import ConfigError, require
 
 __all__ = [
     "TrainConfig",
@@ -159,7 +159,7 @@ def load(cfg: DictConfig) -> TrainConfig:
     if config.sequence_parallel.size > 1:
         sequence_parallel_check(config)
     moe_check(config)
-    rules.check(rules.Job(config))  # what lmrepo refuses to combine: one table (lmrepo/config/rules.py)
+    rules.check(rules.Job(config))  # what lmrepo refuses to combine: one table (lmrepo/plan/rules.py)
     n_positions = config.model.shape()["n_positions"]
     require(
         config.data.block_size <= n_positions,
@@ -205,7 +205,7 @@ def compile_by_default(config: TrainConfig, device_type: str) -> tuple[bool, str
 
 def sequence_parallel_check(config: TrainConfig) -> None:
     """What sequence_parallel.size > 1 needs of the model and the data (its combinations with other
-    techniques: lmrepo/config/rules.py)."""
+    techniques: lmrepo/plan/rules.py)."""
     key, size = f"sequence_parallel.size={config.sequence_parallel.size}", config.sequence_parallel.size
     shape = config.model.shape()
     for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
@@ -219,7 +219,7 @@ def sequence_parallel_check(config: TrainConfig) -> None:
 
 def moe_check(config: TrainConfig) -> None:
     """What expert parallelism needs of the model (its combinations with other techniques:
-    lmrepo/config/rules.py)."""
+    lmrepo/plan/rules.py)."""
     size = config.expert_parallel.size
     if config.model.family != Family.mixtral:
         require(
@@ -234,7 +234,7 @@ def moe_check(config: TrainConfig) -> None:
 
 
 def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:
-    """The job's parallel layout on `world_size` ranks (lmrepo.layout), after the rules a layout
+    """The job's parallel layout on `world_size` ranks (lmrepo.distributed.layout), after the rules a layout
     puts on the model: a pipeline's stages, tensor-parallel heads."""
     if config.pipeline.schedule != "none":
         _pipeline_check(config)
@@ -254,7 +254,7 @@ def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:
 def _micro_batches(config: TrainConfig, dp: int) -> int:
     """A step's micro-batches per replica: trainer.grad_accum, or what the global batch makes it on
     `dp` data-parallel ranks (grad_accum=null)."""
-    from lmrepo.ds_config import resolve_batch
+    from lmrepo.plan.ds_config import resolve_batch
 
     trainer = config.trainer
     try:

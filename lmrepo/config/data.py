@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
-from lmrepo.errors import require
+from lmrepo.utils.errors import require
 
 # Stream positions per mixture pattern (data.batches.MixtureOrder): each source's share is exact
 # within every period (to 1/MIXTURE_PERIOD), so a source needs at least one sample per period.

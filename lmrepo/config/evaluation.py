@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from lmrepo.errors import require
+from lmrepo.utils.errors import require
 
 
 @dataclass

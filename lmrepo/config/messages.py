@@ -6,7 +6,7 @@ from dataclasses import fields, is_dataclass
 
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from lmrepo.errors import disk_error, exit_error
+from lmrepo.utils.errors import disk_error, exit_error
 
 # Keys that moved to a component of their own (lmrepo 0.2): a user's old command is told where.
 MOVED = {

@@ -8,8 +8,8 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from lmrepo.errors import ConfigError, require
-from lmrepo.hub import hub_file, is_hub_id
+from lmrepo.utils.errors import ConfigError, require
+from lmrepo.utils.hub import hub_file, is_hub_id
 
 
 class Family(StrEnum):

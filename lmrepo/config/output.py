@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import List, Optional
 
-from lmrepo.errors import require
+from lmrepo.utils.errors import require
 
 
 class LoggerName(StrEnum):

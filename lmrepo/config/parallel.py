@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
-from lmrepo.errors import ConfigError, require
+from lmrepo.utils.errors import ConfigError, require
 
 
 class EngineName(StrEnum):
@@ -257,7 +257,7 @@ class TPConfig:
 @dataclass
 class SequenceParallelConfig:
     """DeepSpeed Ulysses (Arctic Long Sequence Training): every sequence split over `size` ranks,
-    swapped from tokens to heads around attention (lmrepo/sequence_parallel.py)."""
+    swapped from tokens to heads around attention (lmrepo/distributed/sequence_parallel.py)."""
 
     size: int = 1
     """ranks that split each sequence (GPT-2, Llama); world = size x data-parallel ranks; 1 = off"""

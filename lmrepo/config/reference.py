@@ -252,8 +252,8 @@ def recipes_table() -> str:
 
 
 def figures_table() -> str:
-    """docs/sweeps.md's table of what each figure of a comparison means (lmrepo.figures)."""
-    from lmrepo.figures import DEFINITIONS
+    """docs/sweeps.md's table of what each figure of a comparison means (lmrepo.observability.figures)."""
+    from lmrepo.observability.figures import DEFINITIONS
 
     rows = [f"| {column} | {meaning} |" for column, meaning in DEFINITIONS.items()]
     return "\n".join(["| column | what it is |", "| --- | --- |", *rows]) + "\n"
@@ -262,7 +262,7 @@ def figures_table() -> str:
 # docs/sweeps.md's generated tables, each between its markers: (name, what it is generated from, generator).
 GENERATED = (
     ("recipes", "conf/experiment/", recipes_table),
-    ("figures", "lmrepo/figures.py", figures_table),
+    ("figures", "lmrepo/observability/figures.py", figures_table),
 )
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import List, Optional
 
-from lmrepo.errors import require
+from lmrepo.utils.errors import require
 
 
 class OptimizerName(StrEnum):

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 
 def shakespeare_files() -> list[str]:
@@ -153,7 +153,7 @@ def check_utf8(path: str) -> None:
 def load_hub_dataset(data) -> datasets.Dataset:
     import datasets
 
-    from lmrepo.hub import quiet_retries
+    from lmrepo.utils.hub import quiet_retries
 
     print(f"lmrepo: data=hf: loading {data.name} through the Hugging Face Hub's cache", flush=True)
     try:

@@ -10,7 +10,7 @@ from transformers import DataCollatorForLanguageModeling
 
 from lmrepo.data.batches import MixtureBlocks, MixtureOrder, SampleOrder, TokenBlocks, eval_indices
 from lmrepo.data.prepare import open_document_starts, open_tokens
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 
 class CausalInputs:

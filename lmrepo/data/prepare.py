@@ -24,7 +24,7 @@ from filelock import FileLock
 from tokenizers import Tokenizer
 
 from lmrepo.data.corpus import load_documents, source_files
-from lmrepo.errors import ConfigError, disk_error
+from lmrepo.utils.errors import ConfigError, disk_error
 
 # 2: adds <split>.docs.npy (document starts). The version is part of the fingerprint, so a
 # directory written by an earlier version (without them) is never read as if it had them.

@@ -1,6 +1,6 @@
 """Training engines behind one interface (base.Engine): the loop, checkpointing and evaluation
 never ask which one runs. Each engine module has one `build(config, layout, ds_config)`: the
-loaded config, the job's parallel layout (lmrepo.layout: every size and rank order) and the final
+loaded config, the job's parallel layout (lmrepo.distributed.layout: every size and rank order) and the final
 DeepSpeed dict (DeepSpeed's engines run on it; the torch engines take its batch and scheduler
 section, one arithmetic for every engine)."""
 
@@ -8,7 +8,7 @@ from lmrepo.engines.base import Engine
 
 
 def build_engine(job) -> Engine:
-    """The engine a planned job (lmrepo.plan.Plan) asks for."""
+    """The engine a planned job (lmrepo.plan.job.Plan) asks for."""
     config = job.config
     if config.pipeline.engine == "torch":  # under engine=fsdp2 too: each stage fully_shard'ed
         from lmrepo.engines import torch_pipeline as module

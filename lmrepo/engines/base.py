@@ -46,7 +46,7 @@ class Engine(Protocol):
 
 
 # lmrepo's optimizer names -> torch's classes, for the engines that step a torch optimizer
-# themselves (FSDP2, the torch pipeline); DeepSpeed's engines take lmrepo.ds_config's section.
+# themselves (FSDP2, the torch pipeline); DeepSpeed's engines take lmrepo.plan.ds_config's section.
 TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 

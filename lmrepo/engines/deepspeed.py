@@ -14,17 +14,17 @@ from deepspeed.utils import set_z3_leaf_module
 from transformers.integrations import HfDeepSpeedConfig
 
 from lmrepo.config import CheckpointingConfig, TrainConfig
-from lmrepo.device import isolate_compile_cache
+from lmrepo.distributed.device import isolate_compile_cache
+from lmrepo.distributed.layout import ParallelLayout
+from lmrepo.distributed.sequence_parallel import Slicer, register
+from lmrepo.distributed.tp import count_every_shard_in_the_norm
 from lmrepo.engines import compile_muon as compile_muon_choice
 from lmrepo.engines.base import to_device
-from lmrepo.errors import ConfigError
-from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, transformer_blocks
 from lmrepo.models.mixtral import moe_record
-from lmrepo.muon import compile_muon_update, muon_parameters
-from lmrepo.schedules import client_scheduler
-from lmrepo.sequence_parallel import Slicer, register
-from lmrepo.tp import count_every_shard_in_the_norm
+from lmrepo.optim.muon import compile_muon_update, muon_parameters
+from lmrepo.optim.schedules import client_scheduler
+from lmrepo.utils.errors import ConfigError
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -70,7 +70,7 @@ def initialize(model: torch.nn.Module, ds_config: dict, mpu=None, compile_muon: 
 @contextlib.contextmanager
 def muon_roles(model: torch.nn.Module):
     """While deepspeed.initialize runs, each parameter's `use_muon` (which DeepSpeed's ZeRO and
-    Muon read to pick the update) is lmrepo's role-based choice (lmrepo.muon), set right after
+    Muon read to pick the update) is lmrepo's role-based choice (lmrepo.optim.muon), set right after
     DeepSpeed's own by-name tagging."""
     tag_by_name = deepspeed.set_optimizer_flags
     matrices = muon_parameters(model)

@@ -6,10 +6,10 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
 from lmrepo.config import TrainConfig
+from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.engines.base import pipeline_inputs
 from lmrepo.engines.deepspeed import DeepSpeedEngine, enable_activation_checkpointing, initialize
 from lmrepo.engines.pipeline_timeline import Timeline, watch_deepspeed_pipeline
-from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, pipe
 
 

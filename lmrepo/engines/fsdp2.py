@@ -47,9 +47,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lmrepo import safe_load, tp
 from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, TrainConfig
-from lmrepo.device import isolate_compile_cache
+from lmrepo.distributed import tp
+from lmrepo.distributed.device import isolate_compile_cache
+from lmrepo.distributed.launch import host_group
+from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.engines.base import to_device, torch_optimizer
 from lmrepo.engines.deepspeed import param_groups
 from lmrepo.engines.layer_files import CLIENT_KEYS as PIPELINE_CLIENT_KEYS
@@ -60,14 +62,13 @@ from lmrepo.engines.layer_files import (
     optimizer_file,
     sliced_like,
 )
-from lmrepo.errors import ConfigError
-from lmrepo.launch import host_group
-from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, causal_loss, pipe, transformer_blocks
 from lmrepo.models.mixtral import moe_record
-from lmrepo.schedules import build_scheduler
+from lmrepo.optim.schedules import build_scheduler
+from lmrepo.utils import safe_load
+from lmrepo.utils.errors import ConfigError
 
-CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.checkpoint finds a checkpoint by
+CLIENT_STATE_FILE = "mp_rank_00_model_states.pt"  # the name lmrepo.train.checkpoint finds a checkpoint by
 
 
 class FSDP2Engine:
@@ -181,7 +182,7 @@ class FSDP2Engine:
 
     def save(self, directory: Path, tag: str, client_state: dict) -> None:
         """Copies the sharded states to host memory, then writes them in the background: the next
-        steps train meanwhile, and lmrepo.checkpoint records and names the checkpoint only after
+        steps train meanwhile, and lmrepo.train.checkpoint records and names the checkpoint only after
         finish_save()."""
         self.finish_save()  # one save in flight
         tag_dir = Path(directory, str(tag))
@@ -207,7 +208,7 @@ class FSDP2Engine:
     def finish_save(self) -> None:
         if self.writing is not None:
             writing, self.writing = self.writing, None
-            writing.result()  # a failed write raises here, where lmrepo.checkpoint handles it
+            writing.result()  # a failed write raises here, where lmrepo.train.checkpoint handles it
 
     def load(self, directory: Path, tag: str) -> dict:
         tag_dir = Path(directory, str(tag))
@@ -308,7 +309,7 @@ def parallelize_blocks(
     model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocabulary_parallel: bool = False
 ) -> None:
     """Tensor parallelism, applied before anything else touches the blocks: in each block the
-    linears transformers' plan names (lmrepo.tp.block_tp_plan) split over the tp ranks, column-wise
+    linears transformers' plan names (lmrepo.distributed.tp.block_tp_plan) split over the tp ranks, column-wise
     (q, k, v, gate, up: each rank computes its own heads and MLP columns) or row-wise (o, down: the
     partial sums reduced). Attention runs on the local heads of whole sequences, so transformers'
     rotary angles and causal mask, computed once before the blocks, serve it unchanged.
@@ -452,7 +453,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     DeepSpeed's accelerator names for this rank (the same the DeepSpeed engines run on)."""
     from deepspeed.accelerator import get_accelerator
 
-    from lmrepo.ds_config import batch_of
+    from lmrepo.plan.ds_config import batch_of
 
     device = torch.device(get_accelerator().current_device_name())
     mesh = layout.mesh(device.type)

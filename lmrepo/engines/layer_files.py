@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lmrepo import safe_load
+from lmrepo.utils import safe_load
 
 # What the pipeline engine adds to the client state of mp_rank_00_model_states.pt (not the loop's)
 CLIENT_KEYS = frozenset(

@@ -70,9 +70,9 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from lmrepo import safe_load
 from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES
+from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.engines.base import pipeline_inputs, torch_optimizer
 from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
 from lmrepo.engines.fsdp2 import (
@@ -94,10 +94,10 @@ from lmrepo.engines.layer_files import (
     whole,
 )
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
-from lmrepo.layout import ParallelLayout
 from lmrepo.models import build_model, pipe, transformer_blocks
 from lmrepo.models.pipe import is_tied_copy
-from lmrepo.schedules import build_scheduler
+from lmrepo.optim.schedules import build_scheduler
+from lmrepo.utils import safe_load
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -193,7 +193,7 @@ def print_split(layers: list, parts: list[int], ranks: list[int], schedule: str,
 class StageSharding:
     """How engine=fsdp2 shards the stages: over `mesh` (the data-parallel ranks of a stage, or its
     replicate x shard mesh), each module of `blocks` (transformer blocks) an FSDP unit of its own,
-    with tensor parallelism first where `tp_mesh` is given (`tp_plan`: lmrepo.tp.block_tp_plan)."""
+    with tensor parallelism first where `tp_mesh` is given (`tp_plan`: lmrepo.distributed.tp.block_tp_plan)."""
 
     mesh: DeviceMesh
     reshard_after_forward: bool
@@ -561,7 +561,7 @@ class TorchPipelineEngine:
 
 def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> TorchPipelineEngine:
     """The same layer list DeepSpeed's pipeline splits, from the same seeded transformers model."""
-    from lmrepo.ds_config import batch_of
+    from lmrepo.plan.ds_config import batch_of
 
     net = build_model(config.model)
     enable_activation_checkpointing(net, config.checkpointing, {})  # the blocks checkpoint themselves
@@ -569,7 +569,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
     loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
     sharding = None
     if config.engine.name == "fsdp2":
-        from lmrepo.tp import block_tp_plan
+        from lmrepo.distributed.tp import block_tp_plan
 
         mesh = layout.mesh(get_accelerator().device_name())
         sharding = StageSharding(

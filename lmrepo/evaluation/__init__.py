@@ -1,6 +1,6 @@
 """Downstream evaluation with EleutherAI's lm-evaluation-harness (lm-eval) on lmrepo's model
 where it lives: the live engine during training (Downstream, eval.* keys), or a checkpoint
-consolidated in memory by scripts/evaluate.py (lmrepo.evaluation.command).
+consolidated in memory by scripts/evaluate.py (lmrepo.evaluate).
 
 Results take three forms: the harness's own result JSON (RUN/eval/<tag>.json), one metrics line
 per task ({"step": S, "eval/<task>/<metric>": value, ...}) and, for a W&B run, its summary.
@@ -128,7 +128,7 @@ class Downstream:
         `beat(step)` after every forward tells training's watchdog that this rank is not stuck."""
         import torch.distributed as dist
 
-        from lmrepo.checkpoint import tag_for
+        from lmrepo.train.checkpoint import tag_for
 
         training = self.module.training
         self.module.eval()

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 LOCAL_DIR = Path(__file__).resolve().parents[1] / "eval_tasks"
 

@@ -6,7 +6,7 @@ for three reasons:
   backward ever holds more than one chunk's logits (tokens x vocabulary, the largest tensor of a
   long-sequence step) instead of the whole block's. The head is called as a module, so ZeRO-3's
   gather hooks and FSDP2's unsharded root parameters serve it as they serve the untiled head.
-- Sequence parallelism: a rank holds a slice of each sequence (lmrepo/sequence_parallel.py), and
+- Sequence parallelism: a rank holds a slice of each sequence (lmrepo/distributed/sequence_parallel.py), and
   the right loss to back-propagate is its slice's token sum divided by the number of scored tokens
   of the whole sequence (`scored_tokens`, given with the batch). DeepSpeed sums the gradients over
   the sequence-parallel group, so the group's gradient is exactly the unsplit one; the loss as

@@ -8,7 +8,7 @@ function as one fused kernel (torch's `gelu(approximate="tanh")`), equal within 
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.activations import ACT2FN
 
-from lmrepo.tokenizer import end_of_text_id
+from lmrepo.data.tokenizer import end_of_text_id
 
 LOSS_TYPE = "ForCausalLM"
 MODEL_CLASS = GPT2LMHeadModel

@@ -4,7 +4,7 @@ attention), with the GPT-2 BPE vocabulary. Llama is the family DeepSpeed's AutoT
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lmrepo.tokenizer import end_of_text_id
+from lmrepo.data.tokenizer import end_of_text_id
 
 LOSS_TYPE = "ForCausalLM"
 MODEL_CLASS = LlamaForCausalLM

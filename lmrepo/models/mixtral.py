@@ -206,7 +206,7 @@ def to_transformers_mixtral(model: MixtralStyleForCausalLM):
     `gate_up_proj`, its down projection one of `down_proj`; the router's matrix is `gate.weight`."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from lmrepo.errors import ConfigError
+    from lmrepo.utils.errors import ConfigError
 
     config, moe = model.config, model.config.moe
     if moe["every"] != 1 or moe["top_k"] < 2:

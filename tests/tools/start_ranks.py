@@ -85,7 +85,7 @@ def through_fork_server(n: int, command: list[str], port: str) -> int | None:
 
 
 def main(n: int, command: list[str]) -> int:
-    from lmrepo.launch import free_port  # here: the fork server imports this file's helpers, not lmrepo
+    from lmrepo.distributed.launch import free_port  # here: the fork server imports this file's helpers, not lmrepo
 
     port = str(free_port()) if n else ""
     code = through_fork_server(n, command, port)

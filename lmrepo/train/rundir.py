@@ -13,8 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from lmrepo.errors import ConfigError, exit_error
-from lmrepo.user_config import redact
+from lmrepo.plan.user_config import redact
+from lmrepo.utils.errors import ConfigError, exit_error
 
 LOCK = ".lmrepo.lock"
 CREATED = "LMREPO_CREATED_DIRS"  # the directories Hydra creates for this run: the only ones a refusal removes

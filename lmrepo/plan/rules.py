@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmrepo.config.parallel import ZERO_BUBBLE_SCHEDULES
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 # --- the technique axes of the composition matrix --------------------------------------------------
 
@@ -653,8 +653,8 @@ def _autotp_refusal(job: Job) -> tuple[str, str] | None:
     """(the model class, AutoTP's words) when DeepSpeed's AutoTP refuses to shard this model, asked
     up front on a meta-device model; None when it shards it."""
     if not hasattr(job, "_autotp"):
+        from lmrepo.distributed.tp import autotp_refusal
         from lmrepo.estimate import meta_model
-        from lmrepo.tp import autotp_refusal
 
         model = meta_model(_c(job).model)
         refusal = autotp_refusal(model)
@@ -663,11 +663,11 @@ def _autotp_refusal(job: Job) -> tuple[str, str] | None:
 
 
 def _torch_tp_refusal(job: Job) -> str | None:
-    """The model class when engine=fsdp2 has no tensor-parallel plan for it (lmrepo.tp.block_tp_plan),
+    """The model class when engine=fsdp2 has no tensor-parallel plan for it (lmrepo.distributed.tp.block_tp_plan),
     asked on a meta-device model; None when it has one."""
     if not hasattr(job, "_torch_tp"):
+        from lmrepo.distributed.tp import block_tp_plan
         from lmrepo.estimate import meta_model
-        from lmrepo.tp import block_tp_plan
 
         model = meta_model(_c(job).model)
         job._torch_tp = None if block_tp_plan(model) else type(model).__name__
@@ -681,7 +681,7 @@ def _asked_splits(job: Job) -> str:
 
 
 def _tied_head(job: Job) -> bool:
-    from lmrepo.tp import tied_head  # torch, imported once a tensor-parallel rule asks
+    from lmrepo.distributed.tp import tied_head  # torch, imported once a tensor-parallel rule asks
 
     return tied_head(_c(job))
 

@@ -10,7 +10,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 
 def is_hub_id(pretrained: str) -> bool:

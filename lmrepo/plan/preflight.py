@@ -4,10 +4,11 @@ DeepSpeed dict (lmrepo's, with a user's JSON laid over it) against this machine 
 import os
 from pathlib import Path
 
-from lmrepo.config import CheckpointingConfig, TrainConfig, rules
-from lmrepo.device import Device
-from lmrepo.errors import ConfigError, require
-from lmrepo.user_config import UserConfig, enabled
+from lmrepo.config import CheckpointingConfig, TrainConfig
+from lmrepo.distributed.device import Device
+from lmrepo.plan import rules
+from lmrepo.plan.user_config import UserConfig, enabled
+from lmrepo.utils.errors import ConfigError, require
 
 
 def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserConfig | None = None) -> None:
@@ -74,7 +75,7 @@ def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserCon
             )
         except ConfigError as err:
             raise ConfigError(f"deepspeed_config={user.path}: {err}") from None
-    rules.check(rules.Job(config, ds, fix))  # the combinations the final dict refuses (lmrepo/config/rules.py)
+    rules.check(rules.Job(config, ds, fix))  # the combinations the final dict refuses (lmrepo/plan/rules.py)
 
 
 def check_nvme_path(path: str | None, key: str = "offload.nvme_path") -> None:

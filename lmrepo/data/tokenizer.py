@@ -14,7 +14,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from lmrepo.hub import hub_tokenizer, is_hub_id
+from lmrepo.utils.hub import hub_tokenizer, is_hub_id
 
 
 def _package_dir(module: str, *parts: str) -> Path | None:

@@ -16,8 +16,10 @@ import torch
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lmrepo import checkpoint, launch, quiet
-from lmrepo.errors import ConfigError, exit_error
+from lmrepo.distributed import launch
+from lmrepo.train import checkpoint
+from lmrepo.utils import quiet
+from lmrepo.utils.errors import ConfigError, exit_error
 
 
 @dataclass
@@ -116,8 +118,8 @@ def load_source(located: Path) -> Source:
         model, tokenizer, masked = load(located, torch.float32)
         causal_only(masked, located)
         return Source(model, tokenizer, located / "eval" / "model.json")
+    from lmrepo.data.tokenizer import load_tokenizer
     from lmrepo.export import consolidate
-    from lmrepo.tokenizer import load_tokenizer
 
     whole = consolidate(str(located))
     causal_only(whole.config.family == "bert", located)
@@ -157,7 +159,7 @@ def publish(results: dict, source: Source, options: Options) -> list[str]:
     written = [str(write_results(results, source.results))]
     if source.run_dir is None:
         return written
-    from lmrepo.loggers import JsonlSink
+    from lmrepo.observability.loggers import JsonlSink
 
     sink = JsonlSink(source.run_dir)
     for record in records(results, source.step):
@@ -176,7 +178,7 @@ def update_wandb_summary(run_dir: Path, metrics: dict) -> None:
     import wandb
     import yaml
 
-    from lmrepo.loggers.wandb_sink import resolve_mode, run_id
+    from lmrepo.observability.loggers.wandb_sink import resolve_mode, run_id
 
     logger = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["logger"]
     run = wandb.init(

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 import wandb
 
-from lmrepo.loggers import scalars
+from lmrepo.observability.loggers import scalars
 
 
 def server_url() -> str:
@@ -100,12 +100,12 @@ class WandbSink:
     def summarize(self, figures: dict) -> None:
         """W&B's run summary keeps each key's last logged value: the last logging window's tokens/s,
         not the run's. The figures compare.py and the sweep's summary show replace them, so W&B's
-        runs table ranks the runs as they do (lmrepo.figures)."""
+        runs table ranks the runs as they do (lmrepo.observability.figures)."""
         for key, value in figures.items():
             if isinstance(value, (int, float)) and key != "step":
                 self.run.summary[key] = value
         if isinstance(figures.get(self.objective_key), (int, float)):
-            self.objective = figures[self.objective_key]  # as the launcher returns it (lmrepo.figures)
+            self.objective = figures[self.objective_key]  # as the launcher returns it (lmrepo.observability.figures)
 
     def finish(self) -> None:
         if self.objective is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 # The precision names of configs and options (precision.dtype, generate.py dtype=) as torch dtypes
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -10,12 +10,12 @@ from omegaconf import DictConfig
 from lmrepo.config import TrainConfig, compile_by_default, layout_check, load
 from lmrepo.config.messages import more_ranks
 from lmrepo.config.reference import CONF_DIR
-from lmrepo.device import Device, choose_precision, detect_device
-from lmrepo.ds_config import build_ds_config, prefer_torch_adam_on_cpu
-from lmrepo.errors import ConfigError
-from lmrepo.layout import ParallelLayout
-from lmrepo.preflight import check_deepspeed
-from lmrepo.user_config import UserConfig, lay_over
+from lmrepo.distributed.device import Device, choose_precision, detect_device
+from lmrepo.distributed.layout import ParallelLayout
+from lmrepo.plan.ds_config import build_ds_config, prefer_torch_adam_on_cpu
+from lmrepo.plan.preflight import check_deepspeed
+from lmrepo.plan.user_config import UserConfig, lay_over
+from lmrepo.utils.errors import ConfigError
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Plan:
     config: TrainConfig  # loaded, its autos resolved (precision, warmup)
     device: Device
     ds_config: dict  # the final DeepSpeed dict: lmrepo's with the user's JSON laid over it
-    layout: ParallelLayout  # every parallel size and rank order (lmrepo.layout)
+    layout: ParallelLayout  # every parallel size and rank order (lmrepo.distributed.layout)
     user_changed: list[str]  # the keys the user's JSON changed
     notes: list[str]  # what to say at start: the precision (auto's choice, or bf16's cost here), JSON deprecations
 

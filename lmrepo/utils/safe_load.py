@@ -7,7 +7,7 @@ ds_to_universal); TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 makes torch ignore that argume
 loads are weights-only too while `weights_only_loads()` is active. A file whose pickle would
 call anything else is refused with one line.
 
-    python -m lmrepo.safe_load deepspeed.checkpoint.ds_to_universal --input_folder ...  # weights-only
+    python -m lmrepo.utils.safe_load deepspeed.checkpoint.ds_to_universal --input_folder ...  # weights-only
 """
 
 import contextlib
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 
 def deepspeed_globals() -> list:

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lmrepo.config import TrainerConfig
+from lmrepo.distributed.launch import host_group
 from lmrepo.engines.base import Engine
-from lmrepo.errors import TrainingError
-from lmrepo.launch import host_group
-from lmrepo.metrics import memory_gb
-from lmrepo.stop import StopRequest
+from lmrepo.observability.metrics import memory_gb
+from lmrepo.train.stop import StopRequest
+from lmrepo.utils.errors import TrainingError
 
 
 @dataclass

@@ -59,7 +59,8 @@ class Sinks:
             sink.log(record)
 
     def summarize(self, figures: dict) -> None:
-        """The run's figures (lmrepo.figures.run_figures) at its end, for the sinks that keep a summary."""
+        """The run's figures (lmrepo.observability.figures.run_figures) at its end, for the sinks that
+        keep a summary."""
         for sink in self.sinks:
             sink.summarize(figures)
 
@@ -73,7 +74,7 @@ def build_sinks(logger, run_dir: Path, config: dict, ds_config: dict) -> Sinks:
     if logger.name == "tensorboard":
         sinks.append(TensorBoardSink(run_dir))
     elif logger.name == "wandb":
-        from lmrepo.loggers.wandb_sink import WandbSink
+        from lmrepo.observability.loggers.wandb_sink import WandbSink
 
         sinks.append(WandbSink(logger, run_dir, config, ds_config))
     return Sinks(sinks)

@@ -11,7 +11,7 @@ host until the device has caught up, and the queue runs dry. Two counters:
 - `CudaSyncs` (CUDA): every synchronisation CUDA's runtime makes, reads inside C++ libraries
   included (`torch.cuda.set_sync_debug_mode("warn")` turns each into a warning, counted here).
 
-Per step: read `count` at each step boundary (`lmrepo.loop.fit` calls `beat(step)` at each).
+Per step: read `count` at each step boundary (`lmrepo.train.loop.fit` calls `beat(step)` at each).
 """
 
 import os

@@ -9,7 +9,7 @@
   itself saves model, optimizer, LR scheduler and loss scaler.
 - A checkpoint is inspected before any process group starts (missing or truncated files,
   another model's or another vocabulary's checkpoint) and its checksums verified before the
-  engine loads it: each is one line. Every file is read weights-only (lmrepo.safe_load).
+  engine loads it: each is one line. Every file is read weights-only (lmrepo.utils.safe_load).
 - Resuming on another data-parallel size goes through DeepSpeed's universal checkpoint
   (ds_to_universal, then `checkpoint.load_universal`), converted once, automatically.
 """
@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
-from lmrepo import safe_load
 from lmrepo.config import ModelConfig, PipelineConfig, from_dict
 from lmrepo.engines.base import Engine
 from lmrepo.engines.layer_files import has_layer_optimizer_states
-from lmrepo.errors import ConfigError, TrainingError, disk_error
-from lmrepo.loop import TrainState
-from lmrepo.rundir import fsync_dir, write_durably
+from lmrepo.train.loop import TrainState
+from lmrepo.train.rundir import fsync_dir, write_durably
+from lmrepo.utils import safe_load
+from lmrepo.utils.errors import ConfigError, TrainingError, disk_error
 
 # ZeRO-3 writes the model states (and our client state) per rank; the others once.
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -505,7 +505,7 @@ def prepare_universal(resume: Resume, dp_size: int) -> Resume:
                 [
                     sys.executable,
                     "-m",
-                    "lmrepo.safe_load",
+                    "lmrepo.utils.safe_load",
                     "deepspeed.checkpoint.ds_to_universal",
                     "--input_folder",
                     str(source),

@@ -17,7 +17,7 @@ from lmrepo.config import (
 )
 from lmrepo.config.parallel import CheckpointingImpl
 from lmrepo.config.training import OptimizerName
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 
 def resolve_batch(global_batch: int | None, micro: int | None, accum: int | None, dp_size: int) -> tuple[int, int, int]:
@@ -176,7 +176,7 @@ def continue_with_saved_adam(ds: dict, saved: dict) -> str | None:
     return "lmrepo: resuming with DeepSpeed's FusedAdam, which wrote the checkpoint's optimizer state"
 
 
-# lmrepo's warmup-stable-decay scheduler (lmrepo.schedules), named in DeepSpeed's style so that a
+# lmrepo's warmup-stable-decay scheduler (lmrepo.optim.schedules), named in DeepSpeed's style so that a
 # user's JSON can name it as it names DeepSpeed's.
 WSD = "WarmupStableDecayLR"
 

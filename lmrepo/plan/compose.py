@@ -1,19 +1,18 @@
 """The composed config outside a running train.py (scripts, tests): Hydra's compose API over conf/."""
 
-from pathlib import Path
+import os
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from lmrepo.config import TrainConfig, load, register
 from lmrepo.config.messages import describe_hydra_error
-from lmrepo.errors import ConfigError
-from lmrepo.launch import register_resolvers
+from lmrepo.config.reference import CONF_DIR
+from lmrepo.distributed.launch import register_resolvers
+from lmrepo.utils.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-
-def compose_config(overrides=(), run_dir: str | Path = "/nonexistent/lmrepo-run") -> DictConfig:
+def compose_config(overrides=(), run_dir: str | os.PathLike = "/nonexistent/lmrepo-run") -> DictConfig:
     """What train.py would see for these overrides. run.dir is pinned: it interpolates
     ${hydra:...}, which only a running Hydra app resolves."""
     register_resolvers()
@@ -22,7 +21,7 @@ def compose_config(overrides=(), run_dir: str | Path = "/nonexistent/lmrepo-run"
         return compose(config_name="train", overrides=[*overrides, f"run.dir={run_dir}"])
 
 
-def compose_checked(overrides=(), run_dir: str | Path = "/nonexistent/lmrepo-run") -> DictConfig:
+def compose_checked(overrides=(), run_dir: str | os.PathLike = "/nonexistent/lmrepo-run") -> DictConfig:
     """compose_config, with Hydra's composition errors (a wrong type, an unknown key or option)
     as the one-line ConfigError train.py prints."""
     try:
@@ -34,6 +33,6 @@ def compose_checked(overrides=(), run_dir: str | Path = "/nonexistent/lmrepo-run
         raise ConfigError(line) from None
 
 
-def load_config(overrides=(), run_dir: str | Path = "/nonexistent/lmrepo-run") -> TrainConfig:
+def load_config(overrides=(), run_dir: str | os.PathLike = "/nonexistent/lmrepo-run") -> TrainConfig:
     """compose_checked, then train.py's validation: a script's bad argument is one ConfigError."""
     return load(compose_checked(overrides, run_dir))

@@ -1,6 +1,6 @@
 """The parallel layout of a job: how its ranks split into pipeline stages, data-parallel replicas
 and shards, sequence- and tensor-parallel groups, and expert-parallel groups. One object, made
-once when the job is planned (`lmrepo.plan`), from which every size, every rank's coordinates and
+once when the job is planned (`lmrepo.plan.job`), from which every size, every rank's coordinates and
 every group of ranks comes: a torch `DeviceMesh` for the torch engines, the same ranks for
 DeepSpeed's groups. Modelled on torchtitan's `ParallelDims`.
 
@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from lmrepo.config.messages import more_ranks
-from lmrepo.errors import require
+from lmrepo.utils.errors import require
 
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 

@@ -8,7 +8,7 @@ import math
 from deepspeed.runtime import lr_schedules
 
 from lmrepo.config.training import DecayShape
-from lmrepo.ds_config import WSD
+from lmrepo.plan.ds_config import WSD
 
 DECAY_SHAPES = tuple(str(shape) for shape in DecayShape)
 

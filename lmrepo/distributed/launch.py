@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lmrepo.errors import ConfigError
+from lmrepo.utils.errors import ConfigError
 
 
 def strip_local_rank_arg(argv: list[str]) -> list[str]:
@@ -212,7 +212,7 @@ def init_distributed(timeout_s: float = 0) -> None:
     DeepSpeed's 10 minutes for the world group and torch's 30 for the others."""
     from datetime import timedelta
 
-    from lmrepo import cpuinfo_cache, ops
+    from lmrepo.utils import cpuinfo_cache, ops
 
     ensure_single_process_env()
     ops.pin_builds()  # before DeepSpeed reads where its ops are built
@@ -221,7 +221,7 @@ def init_distributed(timeout_s: float = 0) -> None:
     import torch.distributed.distributed_c10d as c10d
     from deepspeed.accelerator import get_accelerator
 
-    from lmrepo.quiet import quiet_prints
+    from lmrepo.utils.quiet import quiet_prints
 
     ops.announce_builds()
     ops.skip_unused_ops(world_size())
@@ -279,7 +279,7 @@ def prepare_shm() -> None:
         remove_stale_shm()
     import shutil
 
-    from lmrepo.errors import ConfigError
+    from lmrepo.utils.errors import ConfigError
 
     free = shutil.disk_usage(shm).free
     mine = sum(1 for _ in shm.glob(f"{SHM_PREFIX}{os.getuid()}_*_{os.environ.get('MASTER_PORT')}_*"))

@@ -15,8 +15,8 @@ from collections.abc import KeysView
 from pathlib import Path
 
 from lmrepo.config import TrainConfig
-from lmrepo.ds_config import batch_of, resolve_batch, wsd_params
-from lmrepo.errors import ConfigError, require
+from lmrepo.plan.ds_config import batch_of, resolve_batch, wsd_params
+from lmrepo.utils.errors import ConfigError, require
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Optimizers DeepSpeed runs only with CUDA kernels or a NCCL/MPI backend (1-bit compression).

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from lmrepo import launch
+from lmrepo.distributed import launch
 
 
 def preemption_signal() -> signal.Signals:
