@@ -16,9 +16,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lmrepo.config import load, register
+from lmrepo.config import register
 from lmrepo.config.messages import one_line_config_errors, one_line_disk_errors
 from lmrepo.distributed.launch import adopt_slurm_env, prepare_argv, world_size
+from lmrepo.plan.rules import load_checked
 from lmrepo.train.rundir import refuse
 from lmrepo.train.stop import StopRequest
 from lmrepo.utils import quiet
@@ -38,7 +39,7 @@ def main(cfg: DictConfig) -> None:
         quiet.uninstall()
     with one_line_disk_errors():  # writing the run directory: one line, from inside Hydra's job
         try:
-            load(cfg)  # a wrong value stops here, before torch and DeepSpeed are imported
+            load_checked(cfg)  # a wrong value or combination stops here, before torch and DeepSpeed are imported
         except ConfigError as err:
             refuse(str(err), Path(cfg.run.dir))
         # Importing torch and transformers makes ~600k objects that live as long as the process, and

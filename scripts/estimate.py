@@ -19,12 +19,13 @@ import sys
 from dataclasses import dataclass
 
 from lmrepo import estimate
-from lmrepo.config import TrainConfig, layout_check
+from lmrepo.config import TrainConfig
 from lmrepo.distributed import tp
 from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 from lmrepo.plan.compose import load_config
 from lmrepo.plan.ds_config import resolve_batch
+from lmrepo.plan.job import layout_check
 from lmrepo.utils.errors import ConfigError, exit_error
 
 OWN_KEYS = {

@@ -18,6 +18,7 @@ from lmrepo.data.prepare import open_document_starts, open_tokens, prepare
 from lmrepo.data.tokenizer import load_tokenizer
 from lmrepo.models import build_model, pipe
 from lmrepo.plan.compose import compose_config
+from lmrepo.plan.rules import load_checked
 from lmrepo.utils.errors import ConfigError
 from numerics import PIPELINE_FP32, STEPS_FP32, VOCAB, assert_close, relative_difference, reordered_sum
 
@@ -204,7 +205,7 @@ def test_lmdata_batches_keep_documents_apart_in_a_mixture(tmp_path, gpt2):
 )
 def test_refusals_are_one_line(overrides, says):
     with pytest.raises(ConfigError, match=says):
-        load(compose_config([*overrides, "data.cross_document_attention=false"]))
+        load_checked(compose_config([*overrides, "data.cross_document_attention=false"]))
 
 
 @pytest.fixture(scope="session")

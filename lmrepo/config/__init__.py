@@ -21,8 +21,6 @@ from lmrepo.config.messages import describe_omegaconf_error
 from lmrepo.config.model import Family, ModelConfig
 from lmrepo.config.output import LauncherConfig, LoggerConfig, LoggerName, RunConfig
 from lmrepo.config.parallel import (
-    BLOCK_CLASSES,
-    PIPELINE_FAMILIES,
     CheckpointingConfig,
     CheckpointingImpl,
     EngineConfig,
@@ -46,15 +44,12 @@ from lmrepo.config.training import (
     ScheduleConfig,
     TrainerConfig,
 )
-from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.plan import rules
 from lmrepo.utils.errors import ConfigError, require
 
 __all__ = [
     "TrainConfig",
     "load",
     "register",
-    "layout_check",
     "to_dict",
     "from_dict",
     "ModelConfig",
@@ -127,7 +122,8 @@ def register() -> None:
 
 def load(cfg: DictConfig) -> TrainConfig:
     """The composed config as a checked TrainConfig: types (again, for keys added with `+`),
-    missing values, then each component's rules and the rules between components."""
+    missing values, then each component's own rules. What lmrepo refuses to combine is the rules
+    table's (lmrepo.plan.rules.load_checked reads it next)."""
     try:
         # As a plain container: a config Hydra composed over the schema is already a TrainConfig,
         # and OmegaConf keeps the keys `+key=value` added to it when merging same-typed configs.
@@ -159,7 +155,6 @@ def load(cfg: DictConfig) -> TrainConfig:
     if config.sequence_parallel.size > 1:
         sequence_parallel_check(config)
     moe_check(config)
-    rules.check(rules.Job(config))  # what lmrepo refuses to combine: one table (lmrepo/plan/rules.py)
     n_positions = config.model.shape()["n_positions"]
     require(
         config.data.block_size <= n_positions,
@@ -231,88 +226,6 @@ def moe_check(config: TrainConfig) -> None:
         f"expert_parallel.size={size} does not divide model.moe.experts={config.model.moe.experts}: every rank holds "
         "the same number of experts; change one of them",
     )
-
-
-def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:
-    """The job's parallel layout on `world_size` ranks (lmrepo.distributed.layout), after the rules a layout
-    puts on the model: a pipeline's stages, tensor-parallel heads."""
-    if config.pipeline.schedule != "none":
-        _pipeline_check(config)
-    if config.tp.mode == TPMode.auto:
-        shape = config.model.shape()
-        for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
-            require(
-                count % config.tp.size == 0,
-                f"tp.size={config.tp.size} does not divide the model's {count} {what}: change tp.size",
-            )
-    layout = ParallelLayout.of(config, world_size)
-    if config.pipeline.schedule != "none":
-        _micro_batch_check(config, _micro_batches(config, layout.dp))
-    return layout
-
-
-def _micro_batches(config: TrainConfig, dp: int) -> int:
-    """A step's micro-batches per replica: trainer.grad_accum, or what the global batch makes it on
-    `dp` data-parallel ranks (grad_accum=null)."""
-    from lmrepo.plan.ds_config import resolve_batch
-
-    trainer = config.trainer
-    try:
-        return resolve_batch(trainer.global_batch_size, trainer.micro_batch_size, trainer.grad_accum, dp)[2]
-    except ConfigError:  # a batch that does not add up is refused later, in its own words
-        return trainer.grad_accum or 1
-
-
-def _pipeline_check(config: TrainConfig) -> None:
-    import re
-
-    pipe, model = config.pipeline, config.model
-    require(
-        model.family in PIPELINE_FAMILIES,
-        f"pipeline={pipe.schedule} splits {', '.join(PIPELINE_FAMILIES)} "
-        f"models, not model.family={model.family}: choose pipeline=none",
-    )
-    chunks, layers = pipe.stages * pipe.virtual_stages, model.shape()["n_layer"]
-    require(
-        chunks <= layers,
-        f"pipeline.stages={pipe.stages} x pipeline.virtual_stages={pipe.virtual_stages} = {chunks} "
-        f"pipeline stages for a model of {layers} layers: every stage needs a transformer layer; "
-        "lower pipeline.stages",
-    )
-    if pipe.partition.startswith("type:"):
-        from lmrepo.models.pipe import layer_class_names
-
-        regex = pipe.partition.removeprefix("type:")
-        matched = sum(1 for name in layer_class_names(model.family, layers) if re.search(regex, name, re.IGNORECASE))
-        require(
-            matched >= chunks,
-            f"pipeline.partition={pipe.partition} matches {matched} layers, fewer than the {chunks} "
-            f"pipeline stages: use type:{BLOCK_CLASSES[model.family]}",
-        )
-
-
-def _micro_batch_check(config: TrainConfig, micro_batches: int) -> None:
-    pipe, chunks = config.pipeline, config.pipeline.stages * config.pipeline.virtual_stages
-    if pipe.schedule in ("1f1b_torch", "interleaved"):
-        require(
-            micro_batches >= pipe.stages,
-            f"pipeline={pipe.schedule} needs at least as many micro-batches as stages: trainer.grad_accum="
-            f"{micro_batches} < pipeline.stages={pipe.stages}; raise trainer.grad_accum",
-        )
-    if pipe.schedule == "dualpipev":  # DeepSeek's DualPipeV fills its V with one micro-batch per stage
-        require(
-            micro_batches >= chunks,
-            f"pipeline=dualpipev needs at least as many micro-batches as its {chunks} stages (pipeline.stages="
-            f"{pipe.stages} x 2): trainer.grad_accum={micro_batches}; raise trainer.grad_accum",
-        )
-    if pipe.schedule in ("interleaved", "interleaved_zb"):
-        rounds = max(1, micro_batches // pipe.stages)
-        require(
-            micro_batches % rounds == 0,
-            f"pipeline={pipe.schedule} needs trainer.grad_accum={micro_batches} to be a "
-            f"multiple of the {rounds} rounds of {pipe.stages} micro-batches: use a "
-            "multiple of pipeline.stages",
-        )
 
 
 def from_dict(cls, data: dict):

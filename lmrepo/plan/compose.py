@@ -5,10 +5,11 @@ import os
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from lmrepo.config import TrainConfig, load, register
+from lmrepo.config import TrainConfig, register
 from lmrepo.config.messages import describe_hydra_error
 from lmrepo.config.reference import CONF_DIR
 from lmrepo.distributed.launch import register_resolvers
+from lmrepo.plan.rules import load_checked
 from lmrepo.utils.errors import ConfigError
 
 
@@ -34,5 +35,6 @@ def compose_checked(overrides=(), run_dir: str | os.PathLike = "/nonexistent/lmr
 
 
 def load_config(overrides=(), run_dir: str | os.PathLike = "/nonexistent/lmrepo-run") -> TrainConfig:
-    """compose_checked, then train.py's validation: a script's bad argument is one ConfigError."""
-    return load(compose_checked(overrides, run_dir))
+    """compose_checked, then train.py's validation (lmrepo.plan.rules.load_checked): a script's bad
+    argument is one ConfigError."""
+    return load_checked(compose_checked(overrides, run_dir))

@@ -3,19 +3,23 @@ turned into the DeepSpeed dict. No files, no data, no process group, and no tran
 train.py makes it before importing lmrepo.run, so a job refused here costs torch and DeepSpeed's
 accelerator alone (~2 s of imports, against ~4 s for all of training's)."""
 
+import re
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from lmrepo.config import TrainConfig, compile_by_default, layout_check, load
+from lmrepo.config import TrainConfig, compile_by_default
 from lmrepo.config.messages import more_ranks
+from lmrepo.config.parallel import BLOCK_CLASSES, TPMode
 from lmrepo.config.reference import CONF_DIR
 from lmrepo.distributed.device import Device, choose_precision, detect_device
 from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.plan.ds_config import build_ds_config, prefer_torch_adam_on_cpu
+from lmrepo.models.pipe import layer_class_names
+from lmrepo.plan.ds_config import build_ds_config, prefer_torch_adam_on_cpu, resolve_batch
 from lmrepo.plan.preflight import check_deepspeed
+from lmrepo.plan.rules import load_checked
 from lmrepo.plan.user_config import UserConfig, lay_over
-from lmrepo.utils.errors import ConfigError
+from lmrepo.utils.errors import ConfigError, require
 
 
 @dataclass
@@ -58,7 +62,7 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     """The composed config checked and turned into the job's DeepSpeed dict, for `world_size`
     ranks on `device` (default: the one trainer.device picks here): no files, no data, no
     process group."""
-    config = load(cfg)
+    config = load_checked(cfg)
     device = device or detect_device(config.trainer.device)
     config.precision.dtype, precision_line = choose_precision(config.precision.dtype, device)
     check_launcher_ranks(config, world_size)
@@ -96,3 +100,74 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
             "checkpointing is off (checkpointing=full or every_n turns it on)"
         )
     return Plan(config, device, ds_config, layout, user_changed, notes)
+
+
+def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:
+    """The job's parallel layout on `world_size` ranks (lmrepo.distributed.layout), after the rules a layout
+    puts on the model: a pipeline's stages, tensor-parallel heads."""
+    if config.pipeline.schedule != "none":
+        _pipeline_check(config)
+    if config.tp.mode == TPMode.auto:
+        shape = config.model.shape()
+        for what, count in (("attention heads", shape["n_head"]), ("key/value heads", shape["n_kv_head"])):
+            require(
+                count % config.tp.size == 0,
+                f"tp.size={config.tp.size} does not divide the model's {count} {what}: change tp.size",
+            )
+    layout = ParallelLayout.of(config, world_size)
+    if config.pipeline.schedule != "none":
+        _micro_batch_check(config, _micro_batches(config, layout.dp))
+    return layout
+
+
+def _micro_batches(config: TrainConfig, dp: int) -> int:
+    """A step's micro-batches per replica: trainer.grad_accum, or what the global batch makes it on
+    `dp` data-parallel ranks (grad_accum=null)."""
+    trainer = config.trainer
+    try:
+        return resolve_batch(trainer.global_batch_size, trainer.micro_batch_size, trainer.grad_accum, dp)[2]
+    except ConfigError:  # a batch that does not add up is refused later, in its own words
+        return trainer.grad_accum or 1
+
+
+def _pipeline_check(config: TrainConfig) -> None:
+    pipe, model = config.pipeline, config.model
+    chunks, layers = pipe.stages * pipe.virtual_stages, model.shape()["n_layer"]
+    require(
+        chunks <= layers,
+        f"pipeline.stages={pipe.stages} x pipeline.virtual_stages={pipe.virtual_stages} = {chunks} "
+        f"pipeline stages for a model of {layers} layers: every stage needs a transformer layer; "
+        "lower pipeline.stages",
+    )
+    if pipe.partition.startswith("type:"):
+        regex = pipe.partition.removeprefix("type:")
+        matched = sum(1 for name in layer_class_names(model.family, layers) if re.search(regex, name, re.IGNORECASE))
+        require(
+            matched >= chunks,
+            f"pipeline.partition={pipe.partition} matches {matched} layers, fewer than the {chunks} "
+            f"pipeline stages: use type:{BLOCK_CLASSES[model.family]}",
+        )
+
+
+def _micro_batch_check(config: TrainConfig, micro_batches: int) -> None:
+    pipe, chunks = config.pipeline, config.pipeline.stages * config.pipeline.virtual_stages
+    if pipe.schedule in ("1f1b_torch", "interleaved"):
+        require(
+            micro_batches >= pipe.stages,
+            f"pipeline={pipe.schedule} needs at least as many micro-batches as stages: trainer.grad_accum="
+            f"{micro_batches} < pipeline.stages={pipe.stages}; raise trainer.grad_accum",
+        )
+    if pipe.schedule == "dualpipev":  # DeepSeek's DualPipeV fills its V with one micro-batch per stage
+        require(
+            micro_batches >= chunks,
+            f"pipeline=dualpipev needs at least as many micro-batches as its {chunks} stages (pipeline.stages="
+            f"{pipe.stages} x 2): trainer.grad_accum={micro_batches}; raise trainer.grad_accum",
+        )
+    if pipe.schedule in ("interleaved", "interleaved_zb"):
+        rounds = max(1, micro_batches // pipe.stages)
+        require(
+            micro_batches % rounds == 0,
+            f"pipeline={pipe.schedule} needs trainer.grad_accum={micro_batches} to be a "
+            f"multiple of the {rounds} rounds of {pipe.stages} micro-batches: use a "
+            "multiple of pipeline.stages",
+        )

@@ -1,5 +1,6 @@
-"""What is checked before any process group starts, beyond the config's own rules: the final
-DeepSpeed dict (lmrepo's, with a user's JSON laid over it) against this machine and DeepSpeed."""
+"""The final DeepSpeed dict (lmrepo's, with a user's JSON laid over it) checked before any process
+group starts: its values, then the rules table's rows that read it (the only place a combination is
+refused), then this machine (the precision it runs, the NVMe path, libaio)."""
 
 import os
 from pathlib import Path
@@ -35,25 +36,11 @@ def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserCon
     require(not (fp16 and bf16), f"fp16 and bf16 are both enabled: {fix('fp16.enabled', 'choose one precision=')}")
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", 0)
-    stage_fix = fix("zero_optimization.stage", "")
-    require(stage in (0, 1, 2, 3), f"zero.stage={stage} is not 0-3: {stage_fix or 'choose zero=stage0..stage3'}")
+    stage_fix = fix("zero_optimization.stage", "") or "choose zero=stage0..stage3"
+    require(stage in (0, 1, 2, 3), f"zero.stage={stage} is not 0-3: {stage_fix}")
+    rules.check(rules.Job(config, ds, fix))  # the combinations the final dict refuses (lmrepo/plan/rules.py)
     optimizer_offload = zero.get("offload_optimizer", {}).get("device", "none")
     param_offload = zero.get("offload_param", {}).get("device", "none")
-    require(
-        optimizer_offload != "nvme" or stage == 3,
-        f"NVMe offload (ZeRO-Infinity) needs ZeRO-3 (it is stage {stage}): "
-        f"{stage_fix or 'set zero=stage3, or offload=cpu'}",
-    )
-    require(
-        optimizer_offload == "none" or stage >= 1,
-        f"optimizer offload to {optimizer_offload} needs ZeRO stage >= 1: "
-        + fix("zero_optimization.offload_optimizer", stage_fix or "set zero=stage1, stage2 or stage3, or offload=none"),
-    )
-    require(
-        param_offload == "none" or stage == 3,
-        f"parameter offload to {param_offload} needs ZeRO-3: "
-        f"{fix('zero_optimization.offload_param', stage_fix or 'set zero=stage3, or offload.params=false')}",
-    )
     for section in ("offload_optimizer", "offload_param"):
         if zero.get(section, {}).get("device") == "nvme":
             key = f"zero_optimization.{section}.nvme_path"
@@ -75,7 +62,6 @@ def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserCon
             )
         except ConfigError as err:
             raise ConfigError(f"deepspeed_config={user.path}: {err}") from None
-    rules.check(rules.Job(config, ds, fix))  # the combinations the final dict refuses (lmrepo/plan/rules.py)
 
 
 def check_nvme_path(path: str | None, key: str = "offload.nvme_path") -> None:

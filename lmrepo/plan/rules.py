@@ -16,6 +16,9 @@ inside an allowed pair (a ZeRO stage, a size, a key) and the pair stays allowed.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omegaconf import DictConfig
+
+from lmrepo.config import TrainConfig, load
 from lmrepo.config.parallel import ZERO_BUBBLE_SCHEDULES
 from lmrepo.utils.errors import ConfigError
 
@@ -592,6 +595,45 @@ RULES: list[Rule] = [
         NotYet("a gradient scaler across pipeline stages"),
         final=True,
     ),
+    # --- offload needs ZeRO: read from the final dict, where a user's JSON may set the stage or the device
+    Rule(
+        ("offload", "zero"),
+        lambda j: _offloaded(j, "offload_optimizer") == "nvme" and j.stage != 3,
+        lambda j: (
+            f"NVMe offload (ZeRO-Infinity) needs ZeRO-3 (it is stage {j.stage}): "
+            f"{j.fix('zero_optimization.stage', '') or 'set zero=stage3, or offload=cpu'}"
+        ),
+        Upstream(DS, "stage_1_and_2.py takes any offload_optimizer device for the CPU; NVMe is stage3.py's"),
+        final=True,
+    ),
+    Rule(
+        ("offload", "zero"),
+        lambda j: _offloaded(j, "offload_optimizer") != "none" and j.stage == 0,
+        lambda j: (
+            f"optimizer offload to {_offloaded(j, 'offload_optimizer')} needs ZeRO stage >= 1: "
+            + j.fix(
+                "zero_optimization.offload_optimizer",
+                j.fix("zero_optimization.stage", "") or "set zero=stage1, stage2 or stage3, or offload=none",
+            )
+        ),
+        Upstream(DS, "engine.py builds ZeRO's optimizer, the one that offloads, for stage 1 and above only"),
+        final=True,
+    ),
+    Rule(
+        ("offload", "zero"),
+        lambda j: _offloaded(j, "offload_param") != "none" and j.stage != 3,
+        lambda j: (
+            f"parameter offload to {_offloaded(j, 'offload_param')} needs ZeRO-3: "
+            + j.fix(
+                "zero_optimization.offload_param",
+                j.fix("zero_optimization.stage", "") or "set zero=stage3, or offload.params=false",
+            )
+        ),
+        Upstream(
+            DS, "engine.py hands offload_param to stage3.py alone (ZeRO-3 is the stage that partitions parameters)"
+        ),
+        final=True,
+    ),
     # --- Muon (DeepSpeed's, lmrepo's role split)
     *_with_pipelines(
         "muon",
@@ -686,6 +728,11 @@ def _tied_head(job: Job) -> bool:
     return tied_head(_c(job))
 
 
+def _offloaded(job: Job, section: str) -> str:
+    """Where the final dict offloads `section` (offload_optimizer, offload_param): none, cpu or nvme."""
+    return job.ds.get("zero_optimization", {}).get(section, {}).get("device", "none")
+
+
 def _is_muon(job: Job) -> bool:
     return job.ds is not None and str(job.ds.get("optimizer", {}).get("type", "")).lower() == "muon"
 
@@ -707,3 +754,11 @@ def check(job: Job) -> None:
 def pair_rules() -> dict[frozenset, Rule]:
     """The rows that refuse a whole pair of axes, by pair."""
     return {frozenset(rule.techniques): rule for rule in RULES if rule.pair}
+
+
+def load_checked(cfg: DictConfig) -> TrainConfig:
+    """The composed config loaded (types, each component's own rules) and held to this table's rows
+    that read the config alone; the rows that read the final DeepSpeed dict wait for the plan."""
+    config = load(cfg)
+    check(Job(config))
+    return config
