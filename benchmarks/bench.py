@@ -384,7 +384,7 @@ class Bench:
 
     def meta(self, model: dict):
         from lmrepo.config import ModelConfig, from_dict
-        from lmrepo.estimate import meta_model
+        from lmrepo.models import meta_model
 
         return meta_model(from_dict(ModelConfig, model))
 

@@ -37,7 +37,8 @@ QUICK_MODELS = {"2 x 64 (3.3M)": ["model.n_layer=2", "model.n_head=2", "model.n_
 
 def estimate_gib(model: list[str], arm: list[str]) -> float:
     """scripts/estimate.py's model-state memory per rank (fp32, 2 ranks) for the arm's layout."""
-    from lmrepo.estimate import count_parameters, fsdp2_state_bytes, meta_model, model_state_bytes
+    from lmrepo.estimate import count_parameters, fsdp2_state_bytes, model_state_bytes
+    from lmrepo.models import meta_model
     from lmrepo.plan.compose import load_config
 
     config = load_config([*model, *arm, "precision=fp32"])

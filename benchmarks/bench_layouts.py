@@ -182,13 +182,14 @@ def estimated(words: list[str], ranks: int) -> tuple:
     plans the layout."""
     from lmrepo import estimate
     from lmrepo.distributed.layout import ParallelLayout
+    from lmrepo.models import meta_model
     from lmrepo.plan.compose import load_config
 
     config = load_config(words)
     layout = ParallelLayout.of(config, ranks)
     micro = config.trainer.micro_batch_size
     _, activations = estimate.layout_activations(config, layout, micro, GLOBAL_BATCH // (micro * layout.dp))
-    net = estimate.meta_model(config.model)
+    net = meta_model(config.model)
     states = [16 * held.per_rank(layout.dp_shard) for held in estimate.fsdp2_rank_parameters(net, config, layout)]
     return layout, activations, states
 

@@ -31,7 +31,8 @@ ARMS = {
 
 def parameters(overrides: list[str]) -> tuple[int, int]:
     """(total, active per token) parameters of the arm's model: a token skips all but top_k experts."""
-    from lmrepo.estimate import count_parameters, meta_model
+    from lmrepo.estimate import count_parameters
+    from lmrepo.models import meta_model
     from lmrepo.plan.compose import load_config
 
     model = load_config([*SHARED, *overrides, "precision=fp32"]).model

@@ -210,7 +210,7 @@ def run_r0(spec: dict) -> dict:
     """The hand-tuned loop."""
     import torch
 
-    from lmrepo.engines.deepspeed import param_groups
+    from lmrepo.optim.optimizer import param_groups
     from lmrepo.optim.schedules import build_scheduler
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

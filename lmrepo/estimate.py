@@ -20,21 +20,7 @@ import torch
 
 from lmrepo.distributed import tp as tp_plans
 from lmrepo.distributed.device import TORCH_DTYPES
-from lmrepo.models import FAMILIES
-
-
-def hf_config(model_cfg):
-    """The transformers config of the model train.py builds (a fresh object each call)."""
-    family = FAMILIES[model_cfg.family]
-    if model_cfg.pretrained:
-        return family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
-    return family.hf_config(model_cfg)
-
-
-def meta_model(model_cfg) -> torch.nn.Module:
-    """The model train.py builds, on the meta device: every shape, no memory, no init time."""
-    with torch.device("meta"):
-        return FAMILIES[model_cfg.family].MODEL_CLASS._from_config(hf_config(model_cfg))
+from lmrepo.models import FAMILIES, causal_loss, hf_config, meta_model, pipe, transformer_blocks
 
 
 def active_block_params(model_cfg) -> float | None:
@@ -199,8 +185,7 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
     splits counted 1/tp, the head a vocabulary-parallel loss splits as tensor-parallel rank `tp_rank`
     holds it (rank 0 holds the most where the vocabulary does not divide). One entry per pipeline
     rank (one without a pipeline). `net`: meta_model's."""
-    from lmrepo.distributed.tp import block_tp_plan
-    from lmrepo.engines.fsdp2 import own_plan
+    from lmrepo.distributed.tp import block_tp_plan, own_plan
     from lmrepo.models import transformer_blocks
 
     split, by_rows = set(), set()
@@ -248,8 +233,8 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
 
 def optimizer_group_sizes(model: torch.nn.Module) -> list[list[int]]:
     """The element count of each parameter in each of the optimizer's groups, in the order train.py
-    gives them to DeepSpeed (lmrepo.engines.deepspeed.param_groups: matrices with weight decay, then the rest)."""
-    from lmrepo.engines.deepspeed import param_groups
+    gives them to DeepSpeed (lmrepo.optim.optimizer.param_groups: matrices with weight decay, then the rest)."""
+    from lmrepo.optim.optimizer import param_groups
 
     return [[p.numel() for p in group["params"]] for group in param_groups(model, weight_decay=0.0)]
 
@@ -373,19 +358,11 @@ def counted_activations(
     autocast lists, which differ a little from CUDA's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lmrepo.engines.torch_pipeline import build_layer
-    from lmrepo.models import causal_loss, pipe, transformer_blocks
     from lmrepo.observability.saved_activations import SavedActivations
 
     if model_cfg.family == "mixtral":
         return None
-    family, config = FAMILIES[model_cfg.family], hf_config(model_cfg)
-    config.num_hidden_layers = 2
-    if tp > 1:
-        config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        config.num_attention_heads //= tp
-        config.num_key_value_heads //= tp
-        config.intermediate_size //= tp
+    family, config = FAMILIES[model_cfg.family], _two_blocks(model_cfg, tp)
     default = torch.get_default_dtype()
     # the parameters, hence activations, of the run's compute dtype, or fp32 ones under autocast
     torch.set_default_dtype(torch.float32 if autocast else TORCH_DTYPES[dtype])
@@ -396,15 +373,9 @@ def counted_activations(
             net.config.use_cache = False
             net.loss_type = family.LOSS_TYPE
             ids = torch.zeros(micro, seq // sp, dtype=torch.long)
-            after = []  # bytes held after block 1, after block 2 and at the end (the loss included)
             with SavedActivations() as saved:
                 if pipelined:
-                    hidden, held = ids, []
-                    for spec in pipe.pipeline_layers(net, model_cfg.family):
-                        hidden = build_layer(spec)(hidden)
-                        held.append(saved.live)
-                    loss = pipe.LMLoss(model_cfg.family, config.vocab_size)(hidden, ids)  # held: its graph stays
-                    after = [held[1], held[2], saved.live]  # the layers: the embeddings, the blocks, ...
+                    after, kept_by = _saved_by_pipeline_layers(net, model_cfg.family, ids, saved), {}
                 else:
                     if vocabulary_parallel:  # the rank's rows of the head, lmrepo's loss as the engine runs it
                         rows = shard_rows(config.vocab_size, tp, tp_rank)
@@ -412,19 +383,7 @@ def counted_activations(
                         loss_tiles = loss_tiles or 1
                     if loss_tiles is not None:
                         causal_loss.install(net, loss_tiles)
-                    blocks = transformer_blocks(net)
-                    hooks = [block.register_forward_hook(lambda *_: after.append(saved.live)) for block in blocks]
-                    # what block 2's norms and the final norm keep, which sequence parallelism splits
-                    norms = [getattr(blocks[1], name) for name in tp_plans.SEQUENCE_PARALLEL_NORMS if sequence_parallel]
-                    norms += [net.base_model.norm] if sequence_parallel else []
-                    kept_by = {}
-                    for norm in norms:
-                        hooks += _count_inside(norm, saved, kept_by)
-                    loss = net(input_ids=ids, labels=ids).loss  # held: its graph stays
-                    after.append(saved.live)
-                    for hook in hooks:
-                        hook.remove()
-        del loss
+                    after, kept_by = _saved_by_blocks(net, ids, saved, sequence_parallel)
     finally:
         torch.set_default_dtype(default)
     # Block 1 also saves what every block shares (transformers computes the rotary angles once): the first's
@@ -435,6 +394,53 @@ def counted_activations(
         block -= split * sum(kept for norm, kept in kept_by.items() if norm is not net.base_model.norm)
         last -= split * kept_by[net.base_model.norm]
     return ActivationCount(block=block, first=first, last=last)
+
+
+def _two_blocks(model_cfg, tp: int):
+    """The model's transformers config with 2 blocks; with tensor parallelism over `tp` ranks, one
+    rank's slice of a block (heads, key/value heads and the MLP's width / tp)."""
+    config = hf_config(model_cfg)
+    config.num_hidden_layers = 2
+    if tp > 1:
+        config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        config.num_attention_heads //= tp
+        config.num_key_value_heads //= tp
+        config.intermediate_size //= tp
+    return config
+
+
+def _saved_by_pipeline_layers(net, family: str, ids, saved) -> list[int]:
+    """Bytes held after the embeddings, after the blocks and at the end (the loss included), the
+    pipeline's layers (lmrepo.models.pipe) run one after another."""
+    from lmrepo.engines.torch_pipeline import build_layer
+
+    hidden, held = ids, []
+    for spec in pipe.pipeline_layers(net, family):
+        hidden = build_layer(spec)(hidden)
+        held.append(saved.live)
+    loss = pipe.LMLoss(family, net.config.vocab_size)(hidden, ids)  # held: its graph stays
+    after = [held[1], held[2], saved.live]
+    del loss
+    return after
+
+
+def _saved_by_blocks(net, ids, saved, sequence_parallel: bool) -> tuple[list[int], dict]:
+    """Bytes held after block 1, after block 2 and at the end (the loss included), the model's own
+    forward; with `sequence_parallel`, what block 2's norms and the final norm keep, by norm."""
+    blocks = transformer_blocks(net)
+    after = []
+    hooks = [block.register_forward_hook(lambda *_: after.append(saved.live)) for block in blocks]
+    norms = [getattr(blocks[1], name) for name in tp_plans.SEQUENCE_PARALLEL_NORMS if sequence_parallel]
+    norms += [net.base_model.norm] if sequence_parallel else []
+    kept_by = {}
+    for norm in norms:
+        hooks += _count_inside(norm, saved, kept_by)
+    loss = net(input_ids=ids, labels=ids).loss  # held: its graph stays
+    after.append(saved.live)
+    for hook in hooks:
+        hook.remove()
+    del loss
+    return after, kept_by
 
 
 def _count_inside(module: torch.nn.Module, saved, kept_by: dict) -> list:

@@ -22,6 +22,7 @@ from lmrepo import estimate
 from lmrepo.config import TrainConfig
 from lmrepo.distributed import tp
 from lmrepo.distributed.layout import ParallelLayout
+from lmrepo.models import meta_model
 from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 from lmrepo.plan.compose import load_config
 from lmrepo.plan.ds_config import resolve_batch
@@ -346,7 +347,7 @@ def print_compute(job: Job, params: int, checkpointed: int, peak: float | None) 
 def main(argv: list[str]) -> None:
     job = load_job(argv)
     cfg, own = job.cfg, job.own
-    model = estimate.meta_model(cfg.model)
+    model = meta_model(cfg.model)
     params, largest = estimate.count_parameters(model), estimate.largest_module_parameters(model)
     try:
         estimate.model_state_bytes(params, cfg.zero.stage, job.dp, cfg.offload.target, job.offload_params)

@@ -12,6 +12,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from conftest import FORKED_PYTHON, REPO, compose_config
 from lmrepo import estimate
+from lmrepo.models import meta_model
 from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops
 from lmrepo.plan.compose import load_config
 
@@ -76,7 +77,7 @@ def test_train_seconds_and_mfu_arithmetic():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_exact_parameters_of_every_preset(preset):
     cfg = compose_config([f"model={preset}"])
-    model = estimate.meta_model(cfg.model)
+    model = meta_model(cfg.model)
     counted = estimate.count_parameters(model)
     # Unique by identity over all parameter references: the tied LM head is the embedding itself.
     unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
@@ -108,7 +109,7 @@ def test_exact_parameters_of_every_preset(preset):
 
 
 def test_largest_module_is_the_token_embedding():
-    model = estimate.meta_model(compose_config(["model=gpt2"]).model)
+    model = meta_model(compose_config(["model=gpt2"]).model)
     assert estimate.largest_module_parameters(model) == 50257 * 768
 
 
@@ -130,7 +131,7 @@ def test_moe_states_split_the_experts_over_the_expert_parallel_ranks():
     from lmrepo.plan.compose import load_config
 
     model = load_config(["model=mixtral-1b"]).model
-    experts, params = estimate.expert_parameters(model), estimate.count_parameters(estimate.meta_model(model))
+    experts, params = estimate.expert_parameters(model), estimate.count_parameters(meta_model(model))
     assert experts == 16 * 8 * 3 * 1024 * model.n_inner and 0 < experts < params
     assert estimate.expert_parameters(load_config([]).model) == 0
     for stage in range(3):
@@ -185,7 +186,7 @@ def test_zero12_gradient_layout_matches_deepspeed_partition_info(dp):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     for preset in ("gpt2-tiny", "gpt2"):
-        groups = estimate.optimizer_group_sizes(estimate.meta_model(compose_config([f"model={preset}"]).model))
+        groups = estimate.optimizer_group_sizes(meta_model(compose_config([f"model={preset}"]).model))
         theirs = [0] * dp
         for sizes in groups:
             tensors = [torch.empty(n, device="meta") for n in sizes]
@@ -330,7 +331,7 @@ def test_activations_per_rank_follow_the_split_and_the_schedule_by_hand():
     def per_rank(*overrides):
         config = load_config([*base, "precision=fp32", *overrides])
         layout = estimate_layout(config)
-        return estimate.rank_activation_bytes(count, estimate.meta_model(config.model), config, layout, 4, 4)
+        return estimate.rank_activation_bytes(count, meta_model(config.model), config, layout, 4, 4)
 
     assert per_rank("pipeline=gpipe", "pipeline.stages=2") == [4 * (2 * 10 + 1), 4 * (2 * 10 + 100)]
     assert per_rank("pipeline=1f1b_torch", "pipeline.stages=2") == [2 * (2 * 10 + 1), 1 * (2 * 10 + 100)]

@@ -217,7 +217,8 @@ def test_fsdp2_model_states_per_rank_are_the_estimate(tmp_path):
     tensor on rank 0, whose shards are the largest (50,257 embedding rows over 64 ranks: 786 on
     rank 0, 739 on rank 63). A shard over the wrong group, a moment kept whole or a gradient
     not sharded is off by a factor."""
-    from lmrepo.estimate import fsdp2_state_bytes, meta_model, shard_rows
+    from lmrepo.estimate import fsdp2_state_bytes, shard_rows
+    from lmrepo.models import meta_model
     from lmrepo.plan.compose import load_config
 
     overrides = [*TINY, "engine=fsdp2"]
@@ -402,7 +403,7 @@ def one_rank(four_ranks, eight_ranks, tmp_path_factory) -> dict:
 
 
 # One FSDP2 layout against another, fp32, 6 steps with clipping active. FSDP2 sums the norm's
-# squares in float64 (engines/fsdp2.global_grad_norm), so the norms differ only by the rounding of
+# squares in float64 (lmrepo.distributed.grad_norm.global_grad_norm), so the norms differ only by the rounding of
 # the gradients themselves: a few fp32 units (2^-24 = 6e-8) of each element, averaged over the
 # model's elements. Measured between every pair of layouts here and one process, with GPT-2's BPE
 # (3.3M elements): losses up to 2e-7 apart, first norms 3e-8, later norms 3.4e-6 (Adam amplifies
@@ -532,7 +533,8 @@ def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, ei
     uneven split of dim 0 (at most one row of each tensor more or less). A stage counted whole, a
     slice not divided by tp or a shard not divided by dp_shard is off by a factor of 2 or more."""
     from lmrepo.distributed.layout import ParallelLayout
-    from lmrepo.estimate import fsdp2_rank_parameters, meta_model
+    from lmrepo.estimate import fsdp2_rank_parameters
+    from lmrepo.models import meta_model
 
     runs = [(list(words), 4, result) for words, result in four_ranks.runs.items()]
     runs += [(EIGHT_RANKS[name], 8, result) for name, result in eight_ranks.runs.items()]

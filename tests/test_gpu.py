@@ -10,7 +10,8 @@ import torch
 
 from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train
 from lmrepo.distributed.device import detect_device
-from lmrepo.estimate import count_parameters, meta_model, model_state_bytes
+from lmrepo.estimate import count_parameters, model_state_bytes
+from lmrepo.models import meta_model
 from lmrepo.plan.compose import load_config
 from numerics import STEPS_FP32, assert_close
 

@@ -191,7 +191,8 @@ def test_flops_and_mfu_count_the_active_experts():
     """A token passes through top_k of the experts: the block parameters FLOPs and MFU count are
     the model's blocks less the experts it skips and the norms (which the 2-FLOPs rule leaves out)."""
     from lmrepo.config import load
-    from lmrepo.estimate import active_block_params, meta_model
+    from lmrepo.estimate import active_block_params
+    from lmrepo.models import meta_model
     from lmrepo.observability.metrics import flops_per_token
 
     model = load(compose_config(["model=mixtral-tiny"])).model

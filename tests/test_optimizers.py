@@ -131,7 +131,7 @@ def test_muon_refusals(overrides, world, message):
 
 
 def test_muon_compiles_on_cuda_only_unless_told():
-    from lmrepo.engines import compile_muon
+    from lmrepo.optim.muon import compile_muon
 
     assert compile_muon(None) is False  # this CPU machine
     assert compile_muon(True) is True and compile_muon(False) is False

@@ -168,14 +168,14 @@ def test_a_step_that_does_not_log_reads_at_most_one_value_back(ruler):
 
 
 def test_the_overflow_check_without_zero_reads_once_and_answers_as_deepspeeds():
-    """lmrepo.engines.deepspeed.read_overflow_once: DeepSpeed's check before an fp16 or bf16 step
+    """lmrepo.engines.deepspeed_runtime.read_overflow_once: DeepSpeed's check before an fp16 or bf16 step
     without ZeRO, each gradient tested on the device and the answers read back once (DeepSpeed reads
     each), gives DeepSpeed's answer for every placement of a non-finite value."""
     from types import SimpleNamespace
 
     from deepspeed.runtime.utils import CheckOverflow
 
-    from lmrepo.engines.deepspeed import read_overflow_once
+    from lmrepo.engines.deepspeed_runtime import read_overflow_once
     from lmrepo.observability.host_syncs import ValueReads
 
     def params(bad_at: int | None, bad: float, missing_grad: int | None = None) -> list:
@@ -223,7 +223,7 @@ ONE_PROCESS_STEPS = """
 import json, os, sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
-from lmrepo.engines.deepspeed import initialize
+from lmrepo.engines.deepspeed_runtime import initialize
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 batches = torch.randint(0, 128, (6, 2, 16), generator=torch.Generator().manual_seed(1))
@@ -253,7 +253,7 @@ print(json.dumps(out))
 
 
 def test_one_process_without_zero_skips_the_gradient_all_reduce_and_steps_the_same_to_the_bit():
-    """lmrepo.engines.deepspeed.skip_the_all_reduce_of_one_process: without ZeRO, DeepSpeed's engine
+    """lmrepo.engines.deepspeed_runtime.skip_the_all_reduce_of_one_process: without ZeRO, DeepSpeed's engine
     on one process no longer copies every gradient out, averages it over one rank and back. That
     average multiplies by 1, so the parameters after 3 steps (with gradient accumulation and
     clipping) equal those of the engine that reduces, to the bit, in fp32 and in bf16. ZeRO-1 keeps

@@ -7,6 +7,10 @@ from typing import List, Optional
 
 from lmrepo.utils.errors import require
 
+# The `type` of the DeepSpeed scheduler section for schedule=wsd: lmrepo's own scheduler
+# (lmrepo.optim.schedules), which DeepSpeed does not have.
+WSD = "WarmupStableDecayLR"
+
 
 class OptimizerName(StrEnum):
     adamw = "adamw"

@@ -135,6 +135,11 @@ class ParallelLayout:
 
         return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=DIMENSIONS)
 
+    def data_mesh(self, mesh):
+        """The part of `mesh` fully_shard shards over: the data-parallel ranks, or with replicas
+        (HSDP) the replicate x shard mesh (each shard replicated across the replicas)."""
+        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+
     def describe(self) -> str:
         parts = [f"{name} {size}" for name, size in self.sizes.items() if size > 1]
         if self.ep > 1:

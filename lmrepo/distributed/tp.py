@@ -15,11 +15,24 @@ split this model.
   between the split linears split by tokens) and a vocabulary-parallel loss (the LM head split by
   vocabulary, the cross-entropy taken on the split logits).
 
-Both are pure functions of the module structure, so a model on the meta device answers for the
-real one.
+The questions are pure functions of the module structure, so a model on the meta device answers
+for the real one. `parallelize_blocks` (and `parallelize_block`, one pipeline stage's block at a
+time) applies torch's plan to a model for the torch engines.
 """
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lmrepo.models import hf_config, transformer_blocks
 
 # The styles of transformers' plans that torch's ColwiseParallel / RowwiseParallel compute as
 # written: each rank's q/k/v columns are whole heads, and transformers' Llama attention views its
@@ -101,6 +114,91 @@ def loss_parallel(config) -> bool:
 
 def tied_head(config) -> bool:
     """Whether the model's LM head is its input embedding (a pretrained directory's config says)."""
-    from lmrepo.estimate import hf_config
-
     return bool(hf_config(config.model).tie_word_embeddings)
+
+
+def parallelize_blocks(
+    model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocabulary_parallel: bool = False
+) -> None:
+    """Tensor parallelism, applied before anything else touches the blocks: in each block the
+    linears transformers' plan names (lmrepo.distributed.tp.block_tp_plan) split over the tp ranks, column-wise
+    (q, k, v, gate, up: each rank computes its own heads and MLP columns) or row-wise (o, down: the
+    partial sums reduced). Attention runs on the local heads of whole sequences, so transformers'
+    rotary angles and causal mask, computed once before the blocks, serve it unchanged.
+
+    `sequence_parallel` (Megatron's, torchtitan's plan): the residual stream split by tokens from
+    the first block's input (a local slice, no traffic) to the final norm, whose output is gathered
+    for the head; each norm runs on its rank's tokens. Otherwise the row-wise linears all-reduce
+    and every rank holds every token between the blocks' linears.
+    `vocabulary_parallel`: the LM head split by vocabulary, its logits left split for torch's
+    loss_parallel (FSDP2Engine.loss_context)."""
+    plan, blocks = block_tp_plan(model), transformer_blocks(model)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_tp_plan_styles(own_plan(block, plan), sequence_parallel))
+    if sequence_parallel:
+        split_tokens = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        parallelize_module(blocks[0], tp_mesh, split_tokens)
+        final_norm = model.base_model.norm
+        parallelize_module(final_norm, tp_mesh, SequenceParallel())
+        final_norm.register_forward_hook(_every_token)
+    if vocabulary_parallel:
+        head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        parallelize_module(model.get_output_embeddings(), tp_mesh, head)
+
+
+def _every_token(module, args, output: DTensor) -> torch.Tensor:
+    """The final norm's token-split output gathered: the head and the loss see whole sequences."""
+    return output.redistribute(placements=[Replicate()]).to_local()
+
+
+def own_plan(block: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entries of `plan` this block has: a Mixtral-style block's MLP is a mixture of experts
+    (its experts stay whole on every tp rank), not the gate, up and down linears of the plan."""
+    names = {name for name, _ in block.named_modules()}
+    return {name: style for name, style in plan.items() if name in names}
+
+
+def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) -> dict:
+    """torch's styles for one block's `plan` ({name: "colwise" | "rowwise"}). With
+    `sequence_parallel`, for Llama's decoder layer (transformers 5.23: its two norms, attention
+    called with hidden_states=..., the MLP with it positionally): the norms on token-split input,
+    attention and the MLP gathering every token, the row-wise linears reduce-scattering to them. An
+    MLP the plan does not split (a mixture of experts) runs whole on every token, and its output is
+    sliced back to the rank's tokens (no traffic; in backward the tokens' gradients are gathered)."""
+    if not sequence_parallel:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        return {name: styles[style]() for name, style in plan.items()}
+    tokens, whole = Shard(1), Replicate()
+    styles = {
+        name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=tokens)
+        for name, style in plan.items()
+    }
+    gather_attention_input = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": tokens},
+        desired_input_kwarg_layouts={"hidden_states": whole},
+        use_local_output=True,
+    )
+    if any(name.startswith("mlp.") for name in plan):
+        gather_mlp = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
+    else:  # an MLP left whole: its output sliced back to the rank's tokens
+        gather_mlp = PrepareModuleInputOutput(
+            input_layouts=(tokens,),
+            desired_input_layouts=(whole,),
+            use_local_input=True,
+            output_layouts=(whole,),
+            desired_output_layouts=(tokens,),
+            use_local_output=True,
+        )
+    return {
+        **styles,
+        **{norm: SequenceParallel() for norm in SEQUENCE_PARALLEL_NORMS},
+        "self_attn": gather_attention_input,
+        "mlp": gather_mlp,
+    }
+
+
+def parallelize_block(block: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """One block's linears of `plan` ({name: "colwise" | "rowwise"}) split over the tp ranks."""
+    parallelize_module(block, tp_mesh, block_tp_plan_styles(own_plan(block, plan)))

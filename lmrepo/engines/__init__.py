@@ -1,8 +1,10 @@
-"""Training engines behind one interface (base.Engine): the loop, checkpointing and evaluation
-never ask which one runs. Each engine module has one `build(config, layout, ds_config)`: the
-loaded config, the job's parallel layout (lmrepo.distributed.layout: every size and rank order) and the final
-DeepSpeed dict (DeepSpeed's engines run on it; the torch engines take its batch and scheduler
-section, one arithmetic for every engine)."""
+"""Training engines behind one interface (base.Engine), and what only engines share (DeepSpeed's
+runtime wrapper, activation checkpointing, per-layer checkpoint files, pipeline timelines): the
+loop, checkpointing and evaluation never ask which engine runs. Each engine module has one
+`build(config, layout, ds_config)`: the loaded config, the job's parallel layout
+(lmrepo.distributed.layout: every size and rank order) and the final DeepSpeed dict (DeepSpeed's
+engines run on it; the torch engines take its batch and scheduler section, one arithmetic for every
+engine)."""
 
 from lmrepo.engines.base import Engine
 
@@ -19,13 +21,3 @@ def build_engine(job) -> Engine:
     else:
         from lmrepo.engines import deepspeed as module
     return module.build(config, job.layout, job.ds_config)
-
-
-def compile_muon(choice: bool | None) -> bool:
-    """optimizer.compile: null compiles Muon's update on CUDA only, where its steps are many and
-    its matrices large; on a CPU the first step's compile costs more than it saves."""
-    if choice is not None:
-        return choice
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cuda"

@@ -7,9 +7,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
-
-from lmrepo.config import OptimizerConfig
 
 
 class Engine(Protocol):
@@ -43,28 +40,6 @@ class Engine(Protocol):
 
     def optimizer_groups(self) -> list[dict]:
         """The parameter groups of the optimizer this rank steps (their hyperparameters)."""
-
-
-# lmrepo's optimizer names -> torch's classes, for the engines that step a torch optimizer
-# themselves (FSDP2, the torch pipeline); DeepSpeed's engines take lmrepo.plan.ds_config's section.
-TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
-
-
-def torch_optimizer(groups: list[dict], optimizer: OptimizerConfig) -> torch.optim.Optimizer:
-    """torch's Adam or AdamW over lmrepo's parameter groups, fused: one kernel for every parameter
-    (CUDA and CPU). torch's default on a GPU is a few kernels per operation over lists of
-    parameters, on a CPU a loop over the parameters; on FSDP2's sharded parameters each of those
-    operations also goes through DTensor's dispatch in Python (on a CPU, 12-layer GPT-2 at width 64:
-    45% of FSDP2's step). The update is the same within float rounding.
-
-    Where the parameters mix DTensors and plain tensors (a torch pipeline under FSDP2 keeps a
-    weight two of a rank's chunks share whole), neither the fused kernel nor torch's lists take
-    them together: the loop over the parameters then."""
-    kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}
-    implementation = {"fused": True} if len(kinds) <= 1 else {"foreach": False}
-    return TORCH_OPTIMIZERS[optimizer.name](
-        groups, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps, **implementation
-    )
 
 
 def to_device(batch: dict, device) -> dict:

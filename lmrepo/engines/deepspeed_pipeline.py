@@ -8,8 +8,9 @@ from deepspeed.pipe import PipelineModule
 from lmrepo.config import TrainConfig
 from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.engines.base import pipeline_inputs
-from lmrepo.engines.deepspeed import DeepSpeedEngine, enable_activation_checkpointing, initialize
+from lmrepo.engines.deepspeed_runtime import DeepSpeedEngine, initialize
 from lmrepo.engines.pipeline_timeline import Timeline, watch_deepspeed_pipeline
+from lmrepo.engines.recompute import enable_activation_checkpointing
 from lmrepo.models import build_model, pipe
 
 

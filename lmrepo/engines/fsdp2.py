@@ -36,24 +36,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
     loss_parallel,
-    parallelize_module,
 )
 
-from lmrepo.config import CheckpointingConfig, OffloadTarget, OptimizerConfig, TrainConfig
+from lmrepo.config import OffloadTarget, OptimizerConfig, TrainConfig
 from lmrepo.distributed import tp
 from lmrepo.distributed.device import isolate_compile_cache
+from lmrepo.distributed.grad_norm import by_mesh, global_grad_norm
 from lmrepo.distributed.launch import host_group
 from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.engines.base import to_device, torch_optimizer
-from lmrepo.engines.deepspeed import param_groups
+from lmrepo.distributed.tp import parallelize_blocks
+from lmrepo.engines.base import to_device
 from lmrepo.engines.layer_files import CLIENT_KEYS as PIPELINE_CLIENT_KEYS
 from lmrepo.engines.layer_files import (
     by_model_name,
@@ -62,8 +56,10 @@ from lmrepo.engines.layer_files import (
     optimizer_file,
     sliced_like,
 )
+from lmrepo.engines.recompute import enable_activation_checkpointing
 from lmrepo.models import build_model, causal_loss, pipe, transformer_blocks
 from lmrepo.models.mixtral import moe_record
+from lmrepo.optim.optimizer import param_groups, torch_optimizer
 from lmrepo.optim.schedules import build_scheduler
 from lmrepo.utils import safe_load
 from lmrepo.utils.errors import ConfigError
@@ -100,7 +96,7 @@ class FSDP2Engine:
         # FSDP shards over the data-parallel ranks; with replicas (HSDP) over the ranks of one replica,
         # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard).
         # The ranks of a tp group each shard their own slices (and their copies of the rest) over them.
-        dp_mesh = data_mesh(layout, mesh)
+        dp_mesh = layout.data_mesh(mesh)
         # The ranks that read different samples, for lm-eval to deal documents over (a tp group's
         # ranks score the same ones); None: every rank reads its own.
         self.data_group = (dp_mesh._flatten() if dp_mesh.ndim > 1 else dp_mesh).get_group() if layout.tp > 1 else None
@@ -248,150 +244,6 @@ class FSDP2Engine:
         return {k: v for k, v in states.items() if k not in PIPELINE_CLIENT_KEYS}
 
 
-def data_mesh(layout: ParallelLayout, mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh fully_shard shards over: the data-parallel ranks, or with replicas (HSDP) the
-    replicate x shard mesh (each shard replicated across the replicas)."""
-    return mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-
-
-def by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """The parameters grouped by the mesh their gradients live on and how they lie on it, in the
-    model's order (the same on every rank). With tensor parallelism the split linears' gradients
-    are sharded on the data x tensor mesh, the rest's on the data mesh alone (or replicated over
-    tensor), and torch's norm takes one mesh at a time ("All operands in aten.stack.default must
-    have the same mesh"); one placement a group, its norms stack without a redistribution."""
-    groups: dict = {}
-    for param in params:
-        grad = param.grad
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-        groups.setdefault(key, []).append(param)
-    return list(groups.values())
-
-
-def global_grad_norm(groups: list[list[torch.nn.Parameter]]) -> torch.Tensor:
-    """The 2-norm of every gradient of the model, as one process would compute it, in float64: each
-    group's norm (by_mesh) made whole over the mesh dimensions its gradients are sharded on
-    (mesh_norm), then the groups' norms combined. A tensor every rank of a tp group holds whole
-    counts once: each rank adds its own (equal) copy to its own norm.
-
-    float64 because the norm sums the squares of every gradient element (millions: a tiny model's
-    embedding alone has 3.2M) and another layout sums them in another order and partition: in
-    float32 that alone moves the norm by ~1e-5 relative (measured between FSDP2 over 4 ranks and
-    HSDP, equal gradients), in float64 by ~1e-14, which leaves the norm as exact as the gradients
-    themselves. It costs one read of the gradients, as the float32 norm does."""
-    norms = [mesh_norm([p.grad for p in params]) for params in groups]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of `grads`, plain tensors or DTensors of one mesh and placement: this rank's
-    shards' norm, its square summed over the dimensions they are sharded on in one all-reduce
-    (over those dimensions flattened), not over those they are replicated on. DTensor's own
-    (full_tensor of a norm) reduces one dimension after another, with a warning each step."""
-    if not isinstance(grads[0], DTensor):
-        return float64_norm(grads)
-    mesh, placements = grads[0].device_mesh, grads[0].placements
-    square = float64_norm([g.to_local() for g in grads]).square()
-    # Shard, or FSDP2's _StridedShard over the data ranks of a tensor-parallel slice (not a Shard in torch 2.13)
-    sharded = tuple(name for name, p in zip(mesh.mesh_dim_names, placements, strict=True) if not p.is_replicate())
-    if sharded:
-        dist.all_reduce(square, group=mesh[sharded]._flatten().get_group())
-    return square.sqrt()
-
-
-def float64_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of plain `tensors`, summed in float64 without a float64 copy of them (torch's
-    get_total_norm has no dtype)."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)))
-
-
-def parallelize_blocks(
-    model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocabulary_parallel: bool = False
-) -> None:
-    """Tensor parallelism, applied before anything else touches the blocks: in each block the
-    linears transformers' plan names (lmrepo.distributed.tp.block_tp_plan) split over the tp ranks, column-wise
-    (q, k, v, gate, up: each rank computes its own heads and MLP columns) or row-wise (o, down: the
-    partial sums reduced). Attention runs on the local heads of whole sequences, so transformers'
-    rotary angles and causal mask, computed once before the blocks, serve it unchanged.
-
-    `sequence_parallel` (Megatron's, torchtitan's plan): the residual stream split by tokens from
-    the first block's input (a local slice, no traffic) to the final norm, whose output is gathered
-    for the head; each norm runs on its rank's tokens. Otherwise the row-wise linears all-reduce
-    and every rank holds every token between the blocks' linears.
-    `vocabulary_parallel`: the LM head split by vocabulary, its logits left split for torch's
-    loss_parallel (FSDP2Engine.loss_context)."""
-    plan, blocks = tp.block_tp_plan(model), transformer_blocks(model)
-    for block in blocks:
-        parallelize_module(block, tp_mesh, block_tp_plan_styles(own_plan(block, plan), sequence_parallel))
-    if sequence_parallel:
-        split_tokens = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
-        parallelize_module(blocks[0], tp_mesh, split_tokens)
-        final_norm = model.base_model.norm
-        parallelize_module(final_norm, tp_mesh, SequenceParallel())
-        final_norm.register_forward_hook(_every_token)
-    if vocabulary_parallel:
-        head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-        parallelize_module(model.get_output_embeddings(), tp_mesh, head)
-
-
-def _every_token(module, args, output: DTensor) -> torch.Tensor:
-    """The final norm's token-split output gathered: the head and the loss see whole sequences."""
-    return output.redistribute(placements=[Replicate()]).to_local()
-
-
-def own_plan(block: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """The entries of `plan` this block has: a Mixtral-style block's MLP is a mixture of experts
-    (its experts stay whole on every tp rank), not the gate, up and down linears of the plan."""
-    names = {name for name, _ in block.named_modules()}
-    return {name: style for name, style in plan.items() if name in names}
-
-
-def block_tp_plan_styles(plan: dict[str, str], sequence_parallel: bool = False) -> dict:
-    """torch's styles for one block's `plan` ({name: "colwise" | "rowwise"}). With
-    `sequence_parallel`, for Llama's decoder layer (transformers 5.23: its two norms, attention
-    called with hidden_states=..., the MLP with it positionally): the norms on token-split input,
-    attention and the MLP gathering every token, the row-wise linears reduce-scattering to them. An
-    MLP the plan does not split (a mixture of experts) runs whole on every token, and its output is
-    sliced back to the rank's tokens (no traffic; in backward the tokens' gradients are gathered)."""
-    if not sequence_parallel:
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        return {name: styles[style]() for name, style in plan.items()}
-    tokens, whole = Shard(1), Replicate()
-    styles = {
-        name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=tokens)
-        for name, style in plan.items()
-    }
-    gather_attention_input = PrepareModuleInput(
-        input_kwarg_layouts={"hidden_states": tokens},
-        desired_input_kwarg_layouts={"hidden_states": whole},
-        use_local_output=True,
-    )
-    if any(name.startswith("mlp.") for name in plan):
-        gather_mlp = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
-    else:  # an MLP left whole: its output sliced back to the rank's tokens
-        gather_mlp = PrepareModuleInputOutput(
-            input_layouts=(tokens,),
-            desired_input_layouts=(whole,),
-            use_local_input=True,
-            output_layouts=(whole,),
-            desired_output_layouts=(tokens,),
-            use_local_output=True,
-        )
-    return {
-        **styles,
-        **{norm: SequenceParallel() for norm in tp.SEQUENCE_PARALLEL_NORMS},
-        "self_attn": gather_attention_input,
-        "mlp": gather_mlp,
-    }
-
-
-def parallelize_block(block: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
-    """One block's linears of `plan` ({name: "colwise" | "rowwise"}) split over the tp ranks."""
-    parallelize_module(block, tp_mesh, block_tp_plan_styles(own_plan(block, plan)))
-
-
 class WeightsOnlyReader(dcp.FileSystemReader):
     """DCP (torch 2.13) reads tensors weights-only but its `.metadata` file with plain pickle,
     which runs any code a crafted file holds: here the metadata's pickle may name DCP's metadata
@@ -489,8 +341,3 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
         family=config.model.family,
         vocabulary_parallel=vocabulary_parallel,
     )
-
-
-def enable_activation_checkpointing(model: torch.nn.Module, checkpointing: CheckpointingConfig) -> None:
-    if checkpointing.enabled:
-        model.activation_checkpointing_enable(every_n_layers=checkpointing.every_n_layers)

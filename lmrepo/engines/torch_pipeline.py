@@ -72,16 +72,10 @@ from torch.distributed.tensor import DTensor
 
 from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES
+from lmrepo.distributed.grad_norm import by_mesh, float64_norm, global_grad_norm
 from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.engines.base import pipeline_inputs, torch_optimizer
-from lmrepo.engines.deepspeed import enable_activation_checkpointing, param_groups
-from lmrepo.engines.fsdp2 import (
-    by_mesh,
-    data_mesh,
-    float64_norm,
-    global_grad_norm,
-    parallelize_block,
-)
+from lmrepo.distributed.tp import parallelize_block
+from lmrepo.engines.base import pipeline_inputs
 from lmrepo.engines.layer_files import (
     CLIENT_KEYS,
     load_layer,
@@ -94,8 +88,10 @@ from lmrepo.engines.layer_files import (
     whole,
 )
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
+from lmrepo.engines.recompute import enable_activation_checkpointing
 from lmrepo.models import build_model, pipe, transformer_blocks
 from lmrepo.models.pipe import is_tied_copy
+from lmrepo.optim.optimizer import param_groups, torch_optimizer
 from lmrepo.optim.schedules import build_scheduler
 from lmrepo.utils import safe_load
 
@@ -494,7 +490,7 @@ class TorchPipelineEngine:
             grad.mul_(coefficient)
 
     def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The sum of the squares of `grads`' elements, in float64 (fsdp2.global_grad_norm says why)."""
+        """The sum of the squares of `grads`' elements, in float64 (global_grad_norm says why)."""
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return float64_norm(grads).square()
@@ -573,7 +569,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
 
         mesh = layout.mesh(get_accelerator().device_name())
         sharding = StageSharding(
-            data_mesh(layout, mesh),
+            layout.data_mesh(mesh),
             config.zero.stage == 3,
             frozenset(transformer_blocks(net)),
             mesh["tp"] if layout.tp > 1 else None,

@@ -1,4 +1,6 @@
-"""Model presets -> plain transformers models (random init, or a pretrained directory)."""
+"""The models lmrepo trains: plain transformers models built from a preset (random init, or a
+pretrained directory), on the meta device to plan with, split into pipeline layers, with lmrepo's
+causal-LM loss."""
 
 from types import ModuleType
 
@@ -31,6 +33,20 @@ def build_model(model, loss_tiles: int | None = None, expert_parallel_size: int 
     if loss_tiles is not None:
         causal_loss.install(net, loss_tiles)
     return net.train()  # from_pretrained returns a model in eval mode
+
+
+def hf_config(model_cfg):
+    """The transformers config of the model train.py builds (a fresh object each call)."""
+    family = FAMILIES[model_cfg.family]
+    if model_cfg.pretrained:
+        return family.MODEL_CLASS.config_class.from_pretrained(model_cfg.pretrained)
+    return family.hf_config(model_cfg)
+
+
+def meta_model(model_cfg) -> torch.nn.Module:
+    """The model train.py builds, on the meta device: every shape, no memory, no init time."""
+    with torch.device("meta"):
+        return FAMILIES[model_cfg.family].MODEL_CLASS._from_config(hf_config(model_cfg))
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,2 +1,2 @@
 """What updates the weights: the parameter groups and the optimizer every engine builds from them
-(AdamW, Muon), Muon's orthogonalisation and the learning-rate schedules."""
+(AdamW, Muon), Muon's role split and the learning-rate schedules."""

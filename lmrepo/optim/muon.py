@@ -1,9 +1,12 @@
-"""Muon's two halves, by the role a parameter plays, and the compile choice of DeepSpeed's Muon.
+"""Muon's two halves, by the role a parameter plays (and DeepSpeed's engine told so), and the
+compile choice of DeepSpeed's Muon.
 
 Muon (Keller Jordan, 2024) orthogonalises the momentum of hidden weight matrices; embeddings, the
 LM head, norms and biases take AdamW. DeepSpeed tells them apart by name (2-D and no "embed" or
 "lm_head" in it), which sends GPT-2's `wte`/`wpe` and BERT's tied `cls.predictions.decoder` to
 Muon; lmrepo decides from what each parameter is instead."""
+
+import contextlib
 
 import torch
 from torch import nn
@@ -44,3 +47,35 @@ def compile_muon_update(enabled: bool) -> None:
 
 def is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+def compile_muon(choice: bool | None) -> bool:
+    """optimizer.compile: null compiles Muon's update on CUDA only, where its steps are many and
+    its matrices large; on a CPU the first step's compile costs more than it saves."""
+    if choice is not None:
+        return choice
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cuda"
+
+
+@contextlib.contextmanager
+def muon_roles(model: torch.nn.Module):
+    """While deepspeed.initialize runs, each parameter's `use_muon` (which DeepSpeed's ZeRO and
+    Muon read to pick the update) is lmrepo's role-based choice (lmrepo.optim.muon), set right after
+    DeepSpeed's own by-name tagging."""
+    import deepspeed
+
+    tag_by_name = deepspeed.set_optimizer_flags
+    matrices = muon_parameters(model)
+
+    def tag_by_role(config_class, tagged_model):
+        tag_by_name(config_class, tagged_model)
+        for param in tagged_model.parameters():
+            param.use_muon = id(param) in matrices
+
+    deepspeed.set_optimizer_flags = tag_by_role
+    try:
+        yield
+    finally:
+        deepspeed.set_optimizer_flags = tag_by_name

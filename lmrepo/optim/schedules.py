@@ -7,8 +7,7 @@ import math
 
 from deepspeed.runtime import lr_schedules
 
-from lmrepo.config.training import DecayShape
-from lmrepo.plan.ds_config import WSD
+from lmrepo.config.training import WSD, DecayShape
 
 DECAY_SHAPES = tuple(str(shape) for shape in DecayShape)
 

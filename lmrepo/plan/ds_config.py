@@ -16,7 +16,7 @@ from lmrepo.config import (
     to_dict,
 )
 from lmrepo.config.parallel import CheckpointingImpl
-from lmrepo.config.training import OptimizerName
+from lmrepo.config.training import WSD, OptimizerName
 from lmrepo.utils.errors import ConfigError
 
 
@@ -178,7 +178,6 @@ def continue_with_saved_adam(ds: dict, saved: dict) -> str | None:
 
 # lmrepo's warmup-stable-decay scheduler (lmrepo.optim.schedules), named in DeepSpeed's style so that a
 # user's JSON can name it as it names DeepSpeed's.
-WSD = "WarmupStableDecayLR"
 
 
 def scheduler_section(schedule: ScheduleConfig, lr: float, max_steps: int) -> dict:

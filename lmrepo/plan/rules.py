@@ -696,7 +696,7 @@ def _autotp_refusal(job: Job) -> tuple[str, str] | None:
     up front on a meta-device model; None when it shards it."""
     if not hasattr(job, "_autotp"):
         from lmrepo.distributed.tp import autotp_refusal
-        from lmrepo.estimate import meta_model
+        from lmrepo.models import meta_model
 
         model = meta_model(_c(job).model)
         refusal = autotp_refusal(model)
@@ -709,7 +709,7 @@ def _torch_tp_refusal(job: Job) -> str | None:
     asked on a meta-device model; None when it has one."""
     if not hasattr(job, "_torch_tp"):
         from lmrepo.distributed.tp import block_tp_plan
-        from lmrepo.estimate import meta_model
+        from lmrepo.models import meta_model
 
         model = meta_model(_c(job).model)
         job._torch_tp = None if block_tp_plan(model) else type(model).__name__
