@@ -381,7 +381,7 @@ def model_of(spec: dict):
 
 def build(spec: dict):
     """The model train.py builds, with its weight-decay groups, in a bare DeepSpeed engine (DeepSpeed's own object)."""
-    from lmrepo.engines.deepspeed import initialize
+    from lmrepo.engines.deepspeed_runtime import initialize
 
     return initialize(model_of(spec), spec["ds_config"])
 
@@ -461,6 +461,7 @@ def fit_and_bare(spec: dict) -> dict:
     from lmrepo.plan.ds_config import batch_of
     from lmrepo.plan.job import Plan
     from lmrepo.run import throughput_of
+    from lmrepo.train.hooks import Progress, training_hooks
     from lmrepo.train.loop import TrainState, fit
 
     config = from_dict(TrainConfig, spec["config"])  # loaded and resolved (lmrepo.plan.job.plan) by the orchestrator
@@ -499,7 +500,9 @@ def fit_and_bare(spec: dict) -> dict:
             self.sinks.finish()
 
     sinks = WithBareStep(build_sinks(config.logger, run_dir, spec["config"], ds))
-    fit(engine, data, config.trainer, throughput_of(config, ds, device), sinks, TrainState(), None, None, True)
+    state, progress = TrainState(), Progress(sinks, config.trainer.max_steps, 0, enabled=True)
+    throughput = throughput_of(config, ds, device)
+    fit(engine, data, config.trainer, state, training_hooks(progress, engine, data, config.trainer, throughput, state))
     sinks.finish()
     elapsed = [0.0] + [r["elapsed_s"] for r in records]
     times = [b - a - (bare_seconds[k - 1] if k else 0.0) for k, (a, b) in enumerate(zip(elapsed, elapsed[1:]))]

@@ -2,6 +2,7 @@
 
 import atexit
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -31,7 +32,8 @@ from lmrepo.plan.ds_config import batch_of, continue_with_saved_adam
 from lmrepo.plan.job import Plan
 from lmrepo.plan.user_config import redact
 from lmrepo.train import checkpoint
-from lmrepo.train.loop import Throughput, TrainState, fit
+from lmrepo.train.hooks import Progress, Throughput, training_hooks
+from lmrepo.train.loop import TrainState, fit
 from lmrepo.train.nvme import use_per_run_swap
 from lmrepo.train.rundir import (
     check_unused,
@@ -236,14 +238,22 @@ def engine_data(config: TrainConfig, ds_config: dict, engine, sources, tokenizer
     )
 
 
-def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
-    """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan.job).
-    `checkpoint_requests` is the stop request train.py installed first thing: a signal during
-    start-up still counts."""
-    # status.json's wall_s covers the whole command: the interpreter's start, imports and planning too
-    started = psutil.Process().create_time()
-    run_dir = Path(cfg.run.dir)
-    rank0 = launch.rank() == 0
+@dataclass
+class Started:
+    """What the job has once it passed every check that needs no process group."""
+
+    run_dir: Path
+    tokenizer: object
+    sources: list
+    resume: object  # checkpoint.Resume, or None
+    tasks: object  # the downstream TaskSet, or None
+    run_lock: object  # rank 0's lock on the run directory, held until train() returns
+
+
+def start(job: Plan, run_dir: Path, rank0: bool) -> Started:
+    """Everything that can still refuse the job before its process group starts (one line and a
+    non-zero exit, as train.py's own checks): the tokenizer, the data, the checkpoint to resume,
+    the downstream tasks, the master port, the run directory's lock."""
     try:
         tokenizer, data_sources, resume = prepare_job(job, run_dir)
         tasks = downstream_tasks(job.config.eval.tasks)
@@ -253,41 +263,137 @@ def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
         run_lock = own(run_dir) if rank0 else None  # held until train() returns (the OS frees it on any death)
     except ConfigError as err:
         refuse(str(err), run_dir)
-    config, ds_config = job.config, job.ds_config
+    return Started(run_dir, tokenizer, data_sources, resume, tasks, run_lock)
 
+
+def join(job: Plan, started: Started, rank0: bool) -> dict:
+    """The process group, every rank on rank 0's run directory and checkpoint (verified), the seed,
+    and rank 0's config files and notes. Returns the config as plain Python."""
+    config, ds_config = job.config, job.ds_config
     if job.device.type == "cpu" and config.run.cpu_keep_freed_memory:
         cpu_malloc.keep_freed_memory()
     launch.init_distributed(config.run.hang_timeout_s)
     atexit.register(launch.release_shm_buffer)  # also after a failure; only kill -9 escapes it
-    run_dir, resume = agree_with_rank0(run_dir, resume)
-    if resume and resume.universal:
+    started.run_dir, started.resume = agree_with_rank0(started.run_dir, started.resume)
+    if started.resume and started.resume.universal:
         ds_config["checkpoint"] = {"load_universal": True}
-    if resume:
+    if started.resume:
         try:
-            checkpoint.verify(resume)  # the checksums, shared out over the ranks
+            checkpoint.verify(started.resume)  # the checksums, shared out over the ranks
         except ConfigError as err:
             refuse(str(err), None)
-    use_per_run_swap(ds_config, run_dir.name)
+    use_per_run_swap(ds_config, started.run_dir.name)
     set_seed(config.trainer.seed)
     plain_config = to_dict(config)
     if rank0:
-        write_config_files(run_dir, plain_config, ds_config)
+        write_config_files(started.run_dir, plain_config, ds_config)
         for line in job.notes:
             print(line, flush=True)
         if job.user_changed:
             print(f"lmrepo: deepspeed_config={config.deepspeed_config} sets {', '.join(job.user_changed)}", flush=True)
-    checkpoint_dir = run_dir / "checkpoints"
+    return plain_config
 
-    def hung(message: str) -> None:  # the watchdog's last word, from its thread, before the process exits
-        write_status(run_dir, "failed", started, error=message, step=watchdog.step)
-        launch.release_shm_buffer()
 
-    watchdog = Watchdog(run_dir, dist.get_rank(), dist.get_world_size(), config.run.hang_timeout_s, hung)
+@dataclass
+class Finished:
+    last: dict  # the last metrics line, with the evaluations after it
+    stopped: str | None  # the signal that stopped training, or None
+    step: int
+    figures: dict | None  # rank 0's run figures (lmrepo.observability.figures)
+
+
+def run_fit(job: Plan, started: Started, plain_config: dict, watchdog, requests: StopRequest, rank0: bool) -> Finished:
+    """The engine, its data, the resumed state and the hooks; then the loop. The sinks are finished
+    however it ends."""
+    config, ds_config, run_dir = job.config, job.ds_config, started.run_dir
+    sinks = None
 
     def saved(step: int, seconds: float, sync_s: float, size_gb: float) -> None:
         sinks.log({"step": step, "checkpoint_save_s": seconds, "checkpoint_sync_s": sync_s, "checkpoint_gb": size_gb})
 
-    sinks = None
+    try:
+        engine = build_engine(job)
+        data = engine_data(config, ds_config, engine, started.sources, started.tokenizer)
+        tasks = started.tasks
+        downstream = Downstream(config.eval, tasks, engine, started.tokenizer, run_dir) if tasks else None
+        loading = time.perf_counter()
+        state = checkpoint.load(engine, started.resume) if started.resume else TrainState()
+        load_seconds = time.perf_counter() - loading
+        if rank0:
+            if config.run.resume:  # a crashed run's lines past the checkpoint (all of them: none) are redone
+                truncate_metrics(run_dir, state.step)
+            if started.resume:
+                print(f"lmrepo: resumed from {started.resume.directory / started.resume.tag} at step {state.step}")
+            sinks = build_sinks(config.logger, run_dir, plain_config, redact(ds_config))
+            if started.resume:
+                sinks.log({"step": state.step, "checkpoint_load_s": load_seconds})
+        fp16 = ds_config.get("fp16", {})
+        checkpoints = checkpoint.Checkpointer(
+            engine,
+            run_dir / "checkpoints",
+            plain_config,
+            len(started.tokenizer),
+            config.trainer.keep_last,
+            on_saved=saved if rank0 else None,
+        )
+        progress = Progress(sinks, config.trainer.max_steps, state.step, enabled=rank0)
+        hooks = training_hooks(
+            progress,
+            engine,
+            data,
+            config.trainer,
+            throughput_of(config, ds_config, job.device),
+            state,
+            checkpoints,
+            downstream,
+            watchdog.beat,
+            min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None,
+        )
+        stopped = fit(engine, data, config.trainer, state, hooks, requests, watchdog.beat)
+        # The figures a comparison cites, from metrics.jsonl as compare.py reads it
+        # (lmrepo.observability.figures): the done line, status.json and the W&B summary say what the tables say.
+        figures = run_figures(read_metrics(run_dir / "metrics.jsonl")) if rank0 else None
+        if rank0:
+            sinks.summarize(figures)
+        return Finished(progress.last, stopped, state.step, figures)
+    finally:
+        if sinks is not None:
+            sinks.finish()
+
+
+def say_how_it_ended(run_dir: Path, started_at: float, finished: Finished, setting: dict) -> None:
+    """status.json and the last line: a stop (and how to resume), or done (and the run's figures)."""
+    last, figures, stopped = finished.last, finished.figures, finished.stopped
+    if stopped:
+        write_status(run_dir, "stopped", started_at, final=last, summary=figures, setting=setting, signal=stopped)
+        print(
+            f"lmrepo: {stopped} received: checkpoint saved at step {finished.step} in {run_dir / 'checkpoints'}. "
+            f"Resume with the same command plus run.dir={run_dir} run.resume=auto",
+            flush=True,
+        )
+    else:
+        write_status(run_dir, "completed", started_at, final=last, summary=figures, setting=setting)
+        print(
+            f"lmrepo: done at step {last.get('step')}: {done_line(figures, last)}. Run directory: {run_dir}", flush=True
+        )
+
+
+def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
+    """The job `plan(cfg, ...)` planned (train.py plans it first, see lmrepo.plan.job).
+    `checkpoint_requests` is the stop request train.py installed first thing: a signal during
+    start-up still counts."""
+    # status.json's wall_s covers the whole command: the interpreter's start, imports and planning too
+    started_at = psutil.Process().create_time()
+    rank0 = launch.rank() == 0
+    started = start(job, Path(cfg.run.dir), rank0)
+    plain_config = join(job, started, rank0)
+    run_dir = started.run_dir
+
+    def hung(message: str) -> None:  # the watchdog's last word, from its thread, before the process exits
+        write_status(run_dir, "failed", started_at, error=message, step=watchdog.step)
+        launch.release_shm_buffer()
+
+    watchdog = Watchdog(run_dir, dist.get_rank(), dist.get_world_size(), job.config.run.hang_timeout_s, hung)
     # What a comparison says about the run besides its config: the ranks and the machine.
     setting = {
         "ranks": dist.get_world_size(),
@@ -295,80 +401,25 @@ def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
         "device": job.device.description,
     }
     try:
-        engine = build_engine(job)
-        data = engine_data(config, ds_config, engine, data_sources, tokenizer)
-        downstream = Downstream(config.eval, tasks, engine, tokenizer, run_dir) if tasks else None
-        loading = time.perf_counter()
-        state = checkpoint.load(engine, resume) if resume else TrainState()
-        load_seconds = time.perf_counter() - loading
-        if rank0:
-            if config.run.resume:  # a crashed run's lines past the checkpoint (all of them: none) are redone
-                truncate_metrics(run_dir, state.step)
-            if resume:
-                print(f"lmrepo: resumed from {resume.directory / resume.tag} at step {state.step}", flush=True)
-            sinks = build_sinks(config.logger, run_dir, plain_config, redact(ds_config))
-            if resume:
-                sinks.log({"step": state.step, "checkpoint_load_s": load_seconds})
-        fp16 = ds_config.get("fp16", {})
-        checkpoints = checkpoint.Checkpointer(
-            engine,
-            checkpoint_dir,
-            plain_config,
-            len(tokenizer),
-            config.trainer.keep_last,
-            on_saved=saved if rank0 else None,
-        )
-        last, stopped = fit(
-            engine,
-            data,
-            config.trainer,
-            throughput_of(config, ds_config, job.device),
-            sinks,
-            state,
-            checkpoints,
-            checkpoint_requests,
-            rank0,
-            watchdog.beat,
-            min_loss_scale=fp16.get("min_loss_scale", 1) if fp16.get("enabled") else None,
-            downstream=downstream,
-        )
-        if rank0:
-            # The figures a comparison cites, from metrics.jsonl as compare.py reads it (lmrepo.observability.figures):
-            # the done line, status.json and the W&B summary say what the tables say.
-            figures = run_figures(read_metrics(run_dir / "metrics.jsonl"))
-            sinks.summarize(figures)
+        finished = run_fit(job, started, plain_config, watchdog, checkpoint_requests, rank0)
     except (ConfigError, TrainingError) as err:
         if rank0:
-            write_status(run_dir, "failed", started, error=str(err))
+            write_status(run_dir, "failed", started_at, error=str(err))
         refuse(str(err), None, code=1)
     except BaseException as err:
         if (hang := watchdog.describe(err)) is not None:
             # Any rank that lost its peer can tell: the same verdict, written atomically.
-            write_status(run_dir, "failed", started, error=hang, step=watchdog.step)
+            write_status(run_dir, "failed", started_at, error=hang, step=watchdog.step)
             refuse(hang, None, code=1)
         if rank0:
-            write_status(run_dir, "failed", started, error=f"{type(err).__name__}: {err}")
+            write_status(run_dir, "failed", started_at, error=f"{type(err).__name__}: {err}")
         raise
     finally:
         watchdog.stop()
-        if sinks is not None:
-            sinks.finish()
     if rank0:
-        if stopped:
-            write_status(run_dir, "stopped", started, final=last, summary=figures, setting=setting, signal=stopped)
-            print(
-                f"lmrepo: {stopped} received: checkpoint saved at step {state.step} in {checkpoint_dir}. "
-                f"Resume with the same command plus run.dir={run_dir} run.resume=auto",
-                flush=True,
-            )
-        else:
-            write_status(run_dir, "completed", started, final=last, summary=figures, setting=setting)
-            print(
-                f"lmrepo: done at step {last.get('step')}: {done_line(figures, last)}. Run directory: {run_dir}",
-                flush=True,
-            )
+        say_how_it_ended(run_dir, started_at, finished, setting)
     dist.destroy_process_group()
-    if run_lock is not None:
-        run_lock.release()
+    if started.run_lock is not None:
+        started.run_lock.release()
     checkpoint_requests.hand_back()  # a scheduler's own handler (submitit requeues the job) now the checkpoint is saved
-    return last
+    return finished.last

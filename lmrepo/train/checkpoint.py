@@ -398,6 +398,21 @@ def pipeline_layout(pipeline: PipelineConfig) -> dict:
     }
 
 
+# The model keys that change the weights' shapes: a checkpoint resumes only into the same ones.
+SHAPE_KEYS = (
+    "family",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "n_positions",
+    "vocab_size",
+    "n_inner",
+    "n_kv_head",
+    "tie_embeddings",
+    "pretrained",
+)
+
+
 def inspect(
     directory: Path,
     tag: str,
@@ -408,6 +423,24 @@ def inspect(
 ) -> Resume:
     """Reads the checkpoint's client state and refuses one this run cannot continue."""
     tag_dir = directory / tag
+    states = _client_states(tag_dir)
+    _check_model(tag_dir, states, model_cfg, tokenizer_size)
+    _check_layout(tag_dir, states, pipeline_cfg, engine)
+    partitioned = any(tag_dir.glob("*zero_pp_rank_*"))
+    return Resume(
+        directory,
+        tag,
+        int(states["step"]),
+        int(states["consumed"]),
+        int(states["dp_size"]),
+        partitioned,
+        ds_config=states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {},
+        config=states["config"],
+    )
+
+
+def _client_states(tag_dir: Path) -> dict:
+    """The checkpoint's client state (weights-only), refused when it cannot be read or lmrepo did not write it."""
     states_file = check_files(tag_dir)
     try:
         states = safe_load.load(states_file)
@@ -422,22 +455,15 @@ def inspect(
             f"checkpoint {tag_dir} was not written by lmrepo (no training position): "
             "point run.resume at an lmrepo checkpoint"
         )
+    return states
+
+
+def _check_model(tag_dir: Path, states: dict, model_cfg: ModelConfig, tokenizer_size: int) -> None:
+    """The same model shape (a mixture of experts' too) and vocabulary as the checkpoint's."""
     saved = states["config"]["model"]
-    shape_keys = (
-        "family",
-        "n_layer",
-        "n_head",
-        "n_embd",
-        "n_positions",
-        "vocab_size",
-        "n_inner",
-        "n_kv_head",
-        "tie_embeddings",
-        "pretrained",
-    )
     # A key the checkpoint's config does not have (older lmrepo) is the schema's default.
     saved_model = from_dict(ModelConfig, saved)
-    differs = [f"{k}={saved.get(k)}" for k in shape_keys if getattr(saved_model, k) != getattr(model_cfg, k)]
+    differs = [f"{k}={saved.get(k)}" for k in SHAPE_KEYS if getattr(saved_model, k) != getattr(model_cfg, k)]
     # a mixture of experts' shape: how many experts, in which blocks
     differs += [
         f"moe.{k}={getattr(saved_model.moe, k)}"
@@ -455,6 +481,10 @@ def inspect(
             f"checkpoint {tag_dir} was trained with a {saved_vocab}-token vocabulary, this run's tokenizer "
             f"has {tokenizer_size}: use the same model.tokenizer"
         )
+
+
+def _check_layout(tag_dir: Path, states: dict, pipeline_cfg: PipelineConfig | None, engine: str) -> None:
+    """A pipeline layout and an engine this run can load the checkpoint's files into."""
     saved_layout = pipeline_layout(from_dict(PipelineConfig, states["config"].get("pipeline") or {}))
     layout = pipeline_layout(pipeline_cfg or PipelineConfig())
     if saved_layout["engine"] == "torch" and not has_layer_optimizer_states(tag_dir):
@@ -478,17 +508,6 @@ def inspect(
             f"checkpoint {tag_dir} was written by engine={saved_engine}, this run is engine={engine}: resume with "
             f"engine={saved_engine}, or export it (scripts/export_hf.py RUN OUT) and start from model.pretrained=OUT"
         )
-    partitioned = any(tag_dir.glob("*zero_pp_rank_*"))
-    return Resume(
-        directory,
-        tag,
-        int(states["step"]),
-        int(states["consumed"]),
-        int(states["dp_size"]),
-        partitioned,
-        ds_config=states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {},
-        config=states["config"],
-    )
 
 
 def prepare_universal(resume: Resume, dp_size: int) -> Resume:
