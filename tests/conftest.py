@@ -407,7 +407,15 @@ def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, steps_
         return last > int(latest.read_text().split("_")[1]) and last % every != 0
 
     proc = popen_train(overrides, run_dir, ranks=2)
-    wait_for(ready, proc)
+    while True:
+        wait_for(ready, proc)
+        # Checked again with every process of the job stopped: a TINY step takes milliseconds, and
+        # between a check of the running job and the kill a save could complete and move `latest`
+        # past every logged step (a test process descheduled for a few steps' time).
+        os.killpg(proc.pid, signal.SIGSTOP)
+        if ready():
+            break
+        os.killpg(proc.pid, signal.SIGCONT)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     return (run_dir / "checkpoints" / "latest").read_text()

@@ -48,7 +48,9 @@ def one_error_line(proc) -> str:
 
 def test_one_run_owns_its_directory(tmp_path):
     run_dir = tmp_path / "run"
-    first = popen_train(["trainer.max_steps=500", "schedule=constant"], run_dir)
+    # Steps enough to outlast the second run's start at any speed (a TINY step takes milliseconds): the
+    # SIGTERM below ends it.
+    first = popen_train(["trainer.max_steps=100000", "schedule=constant"], run_dir)
     wait_for(lambda: logged_steps(run_dir) >= 2, first)
     second = run_train([*TINY, "trainer.max_steps=500"], run_dir)
     assert second.returncode == 2 and "is in use by another run" in one_error_line(second)

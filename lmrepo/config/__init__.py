@@ -1,11 +1,13 @@
-"""The typed schema of a training job, and its one validation pass.
+"""The typed schema of a training job, each component's own checks, and the words a user reads
+about it (one-line errors, --help, the options reference).
 
 Each config group is a dataclass (model.py, data.py, training.py, parallel.py, output.py) whose
 fields carry their type, default and a one-line docstring; `TrainConfig` joins them and is
 registered in Hydra's ConfigStore as the schema conf/train.yaml composes over, so Hydra
 type-checks every YAML file and command-line override. `load()` turns the composed config into
-a TrainConfig object after every range and combination rule has passed: a wrong value is one
-ConfigError naming the key, before anything is written or any process group starts.
+a TrainConfig object after every component's range rules have passed: a wrong value is one
+ConfigError naming the key, before anything is written or any process group starts. What lmrepo
+refuses to combine is the rules table's (lmrepo.plan.rules), one layer up.
 """
 
 from dataclasses import dataclass, field, fields

@@ -1,1 +1,2 @@
-"""Corpus -> token files (once, cached) -> fixed-length blocks -> per-rank batches."""
+"""Text to the batches each rank reads: corpora, the tokenizer, token files (made once, cached),
+fixed-length blocks and the sample order."""
