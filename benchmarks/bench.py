@@ -55,6 +55,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import arms  # benchmarks/arms.py: the worker arms
+
 import common  # benchmarks/common.py: this script's folder is first on sys.path; it puts the repository next
 from common import REPO, Report, add_save_flag
 from lmrepo.distributed.launch import launch_command
@@ -111,10 +113,10 @@ def run_worker(args: argparse.Namespace) -> None:
     atexit.register(release_shm_buffer)  # DeepSpeed's CPU all-reduce buffer in /dev/shm
     spec = json.loads(Path(args.spec).read_text())
     workers = {
-        "bare": common.bare_loop,
-        "fit": common.fit_and_bare,
-        "hf": common.hf_trainer,
-        "memory": common.model_state_memory,
+        "bare": arms.bare_loop,
+        "fit": arms.fit_and_bare,
+        "hf": arms.hf_trainer,
+        "memory": arms.model_state_memory,
     }
     result = workers[args.worker](spec)
     suffix = f".rank{os.environ['RANK']}" if args.worker == "memory" else ""

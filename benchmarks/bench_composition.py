@@ -28,7 +28,6 @@ from common import REPO, Report, add_save_flag  # benchmarks/common.py
 
 sys.path.insert(0, str(REPO / "tests"))
 import composition  # noqa: E402  (tests/composition.py: the pairs and their overrides)
-
 from lmrepo.distributed.launch import launch_command  # noqa: E402
 from lmrepo.utils import ops  # noqa: E402
 
@@ -50,7 +49,7 @@ def launch(cases: list[list[str]], workdir: Path) -> dict:
     proc = subprocess.run(
         [
             *launch_command(2, "torchrun"),
-            str(REPO / "tests" / "composition_probe.py"),
+            str(REPO / "tests" / "probes" / "composition_probe.py"),
             str(workdir / "results.json"),
             str(workdir / "cases.json"),
         ],

@@ -49,7 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import common  # benchmarks/common.py (this folder is first on sys.path); it puts the repository next
+import arms  # benchmarks/arms.py: the worker arms bench.py shares
+
 from common import REPO, Report, add_save_flag
 
 PYTHON = sys.executable
@@ -203,7 +204,7 @@ def memory_gb(device) -> float:
 
 def on_device(spec: dict, device) -> list[list[dict]]:
     """Every step's micro batches, already on the device."""
-    return [[{k: v.to(device) for k, v in b.items()} for b in step] for step in common.step_batches(spec)]
+    return [[{k: v.to(device) for k, v in b.items()} for b in step] for step in arms.step_batches(spec)]
 
 
 def run_r0(spec: dict) -> dict:
@@ -219,7 +220,7 @@ def run_r0(spec: dict) -> dict:
         from lmrepo.utils import cpu_malloc
 
         cpu_malloc.keep_freed_memory()
-    model = common.model_of(spec).to(device)
+    model = arms.model_of(spec).to(device)
     opt = spec["optimizer"]
     groups = param_groups(model, opt["weight_decay"])
     optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"], fused=True)
@@ -254,7 +255,7 @@ def run_r1(spec: dict) -> dict:
 
     ensure_single_process_env()
     init_distributed()
-    engine = common.build(spec)
+    engine = arms.build(spec)
     batches = on_device(spec, engine.device)
 
     def step(i: int):

@@ -13,7 +13,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import composition  # noqa: E402  (tests/composition.py, on the path above)
-
 from lmrepo.plan.rules import AXES, EXCLUSIVE, RULES, NotYet, Upstream, pair_rules  # noqa: E402
 
 PAGE = REPO / "docs" / "reference" / "composition.md"

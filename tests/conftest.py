@@ -1,36 +1,17 @@
-"""Shared test helpers: compose real configs, and launch real train.py runs on the CPU.
+"""The suite's pytest hooks and session fixtures: threads shared between the workers, the order
+and the quick selection of the files, the CPU report, one token cache for the session (so the
+Shakespeare corpus is tokenized once), the fork server, each test's environment as it found it.
+The harness the tests call (launching train.py, reading a run back) is harness.py."""
 
-Every run uses TINY (a 2-layer, 64-wide GPT-2 on 32-token blocks of GPT-2's bytes, fp32: a test that
-is about a precision or a vocabulary says so) and a token cache shared by the whole session, so the
-Shakespeare corpus is tokenized once.
-"""
-
-import json
 import os
-import re
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from lmrepo.distributed.device import Device
-from lmrepo.distributed.launch import free_port, launch_command  # noqa: F401  (tests import free_port from here)
-from lmrepo.plan.compose import compose_config  # noqa: F401  (tests import it from here)
-
-# Devices as DeepSpeed's accelerators describe them, for checks that depend on the hardware.
-CPU = Device("cpu", fp16=False, bf16=True, native_bf16=True, description="CPU (test)")
-CPU_WITHOUT_BF16 = Device("cpu", fp16=False, bf16=True, native_bf16=False, description="CPU (test, AVX2)")
-GPU = Device("cuda", fp16=True, bf16=True, native_bf16=True, description="GPU (test, compute capability 8.0)")
-
-REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
-PYTHON = sys.executable
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-START_RANKS = REPO / "tests" / "tools" / "start_ranks.py"
-FORK_SERVER = REPO / "tests" / "tools" / "fork_server.py"
+from harness import FORK_SERVER, PYTHON, TINY, assert_ok, run_train
 
 
 def pin_op_builds() -> None:
@@ -97,12 +78,12 @@ HEAVIEST_FIRST = (
     "test_faults.py",
     "test_fsdp2.py",
     "test_optimizers.py",
-    "test_pipeline.py",
+    "test_ds_pipeline.py",
     "test_documents.py",
     "test_readme.py",
     "test_train.py",
     "test_bench.py",
-    "test_pipelining.py",
+    "test_torch_pipeline.py",
     "test_zero_bubble.py",
     "test_generate.py",
     "test_long_context.py",
@@ -130,8 +111,8 @@ ONE_CASE_EACH = (
     "test_train.py::test_default_job_writes_the_run_directory_contract",  # one process
     "test_distributed.py::test_zero_stages_agree_fp32[2]",  # DeepSpeed ZeRO-2 against ZeRO-0, 2 ranks
     "test_fsdp2.py::test_fsdp2_equals_one_process",  # FSDP2, 2 ranks
-    "test_pipeline.py::test_gpt2_pipeline_matches_data_parallel",  # DeepSpeed's PipelineModule
-    "test_pipelining.py::test_schedule_matches_no_pipeline[gpipe]",  # torch's pipelining
+    "test_ds_pipeline.py::test_gpt2_pipeline_matches_data_parallel",  # DeepSpeed's PipelineModule
+    "test_torch_pipeline.py::test_schedule_matches_no_pipeline[gpipe]",  # torch's pipelining
 )
 
 
@@ -192,32 +173,6 @@ def pytest_runtest_protocol(item, nextitem):
     end, worker = time.time(), os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(report, "a") as f:  # one short appended line per test: whole even with two workers
         f.write(f"{cpu_seconds() - start_cpu:.1f}\t{end - start:.1f}\t{item.nodeid}\t{worker}\t{end:.1f}\n")
-
-
-TINY = [
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=64",
-    "data.block_size=32",
-    "trainer.micro_batch_size=4",
-    "trainer.max_steps=6",
-    "schedule.warmup_steps=1",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "trainer.eval_batches=2",
-    "logger=jsonl",
-    "precision=fp32",
-    "model.tokenizer=bytes",
-    "model.vocab_size=257",
-]
-# TINY tokenizes by GPT-2's bytes (257 tokens: lmrepo.data.tokenizer.gpt2_bytes); GPT2 puts its BPE back,
-# for a test about that vocabulary (50,257 rows: the embedding is then 97% of TINY's parameters).
-GPT2 = ("model.tokenizer=gpt2", "model.vocab_size=50257")
-BERT = ("model=bert-tiny", "model.tokenizer=bert", "model.vocab_size=30522")  # after TINY: its WordPiece back
-# TINY in bf16, one sequence per micro batch: on a CPU without native bf16 every bf16 matmul takes a
-# slow path (~70x fp32), so a TINY step costs by the token. The parity and resume checks hold at any
-# batch size.
-BF16 = ("precision=bf16", "trainer.micro_batch_size=1")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -292,152 +247,6 @@ def environment_as_it_was():
             os.environ[name] = value
 
 
-def fork_server_listening(path: str | None, timeout: float = 120) -> bool:
-    """Waits until the fork server at `path` is listening (for a test of the server itself)."""
-    deadline = time.monotonic() + timeout
-    while path and not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return bool(path) and os.path.exists(path)
-
-
-def launcher(ranks: int, via: str = "direct") -> list[str]:
-    """The command that starts a script on `ranks` CPU ranks (0: one process, as plain `python`):
-    the ranks started directly, one process each with the env:// variables, as srun starts them
-    (tests/tools/start_ranks.py, forked from the worker's fork server), or `torchrun` or
-    `deepspeed`, the launchers users type, under
-    which the ranks run the same way (lmrepo.distributed.launch gives DeepSpeed's shared-memory all-reduce
-    LOCAL_SIZE under each). A launcher only where the test is about it (a signal it forwards, a rank
-    it ends, its exit code on a refusal, `--local_rank`, a command a user types): torchrun's agent
-    imports torch before the first rank starts, and DeepSpeed's runner and launch.py each import
-    all of DeepSpeed (benchmarks/bench_launchers.py measures the three)."""
-    if via == "direct":
-        return [PYTHON, str(START_RANKS), str(ranks)]
-    return launch_command(ranks, via)
-
-
-# `python`, forked from the worker's fork server (launcher(0)): for the scripts the tests run
-# (export, generate, compare, estimate), which import torch as train.py does.
-FORKED_PYTHON = [PYTHON, str(START_RANKS), "0"]
-
-
-def run_train(
-    overrides: list[str],
-    run_dir: Path,
-    ranks: int = 0,
-    timeout: int = 900,
-    env: dict | None = None,
-    via: str = "direct",
-) -> subprocess.CompletedProcess:
-    """`python train.py` (ranks=0), or train.py on `ranks` ranks started by `via` (see launcher)."""
-    cwd = next(p for p in run_dir.parents if p.is_dir())
-    return subprocess.run(
-        [*launcher(ranks, via), str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
-def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0) -> subprocess.Popen:
-    """A TINY run left running (its own process group): for tests that signal or race it. Ranks
-    start under DeepSpeed's launcher: what it does with a signal or a dead rank is under test."""
-    return subprocess.Popen(
-        [*launcher(ranks, "deepspeed"), str(REPO / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=next(p for p in run_dir.parents if p.is_dir()),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 900) -> None:
-    """Until `predicate()` holds; fails with the run's output if the run ends first, or ends it and
-    fails after `timeout` seconds (the bound every launch of the suite has: a hung run fails its
-    test, not the whole suite)."""
-    import signal
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(f"no progress in {timeout:.0f} s: {proc.communicate()[0][-3000:]}")
-        time.sleep(0.2)
-
-
-def logged_train_steps(run_dir: Path) -> list[int]:
-    """The step of each whole training line a running job has written (its last line may be half
-    written)."""
-    steps = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "loss" in record:
-            steps.append(record["step"])
-    return steps
-
-
-def logged_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, steps_after: bool = False) -> str:
-    """A 2-rank TINY run killed (SIGKILL to the launcher's process group, as an OOM killer or a lost
-    node ends a job) once `latest` exists and `logged` lines are in its metrics; with `steps_after`,
-    also once it has logged a step past `latest` that is not a save step (so that no save can
-    complete between the check and the kill and move `latest` past every logged step: `logged`
-    lines alone were reached at a save step once, with its checkpoint's line). Returns the
-    checkpoint `latest` names then."""
-    import signal
-
-    def ready() -> bool:
-        latest = run_dir / "checkpoints" / "latest"
-        if not latest.exists() or logged_steps(run_dir) < logged:
-            return False
-        if not steps_after:
-            return True
-        every = int(next(w for w in reversed(overrides) if w.startswith("trainer.save_every=")).split("=")[1])
-        last = max(logged_train_steps(run_dir), default=0)
-        return last > int(latest.read_text().split("_")[1]) and last % every != 0
-
-    proc = popen_train(overrides, run_dir, ranks=2)
-    while True:
-        wait_for(ready, proc)
-        # Checked again with every process of the job stopped: a TINY step takes milliseconds, and
-        # between a check of the running job and the kill a save could complete and move `latest`
-        # past every logged step (a test process descheduled for a few steps' time).
-        os.killpg(proc.pid, signal.SIGSTOP)
-        if ready():
-            break
-        os.killpg(proc.pid, signal.SIGCONT)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    return (run_dir / "checkpoints" / "latest").read_text()
-
-
-def stop_with_signal(signum: int, overrides: list[str], run_dir: Path) -> tuple[int, str]:
-    """A 2-rank TINY run signalled after 3 logged steps, as Slurm's pre-emption and a terminal's
-    Ctrl-C do (the signal reaches every process of the job): it must save, say so in status.json
-    and point `latest` at the save. Returns (the step it stopped at, its output)."""
-    import signal
-
-    proc = popen_train(overrides, run_dir, ranks=2)
-    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
-    os.killpg(proc.pid, signum)
-    output, _ = proc.communicate(timeout=300)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "stopped" and status["signal"] == signal.Signals(signum).name, output[-3000:]
-    step = status["final"]["step"]
-    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
-    return step, output
-
-
 @pytest.fixture(scope="session")
 def launch2(tmp_path_factory):
     """Runs a 2-rank TINY job once per set of overrides for the whole session, across pytest-xdist
@@ -467,49 +276,3 @@ def launch2(tmp_path_factory):
         return run_dir
 
     return run
-
-
-def env_without_wandb_key(home: Path) -> dict:
-    """The environment of a user with no W&B key: no WANDB_* variables and a HOME without
-    ~/.netrc. DeepSpeed's compiled ops stay where they are (pin_op_builds)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["HOME"] = str(home)
-    return env
-
-
-def validate(cfg, world: int, device: Device) -> tuple[dict, list[str]]:
-    """train.py's checks of a composed config for `world` ranks on `device`: (DeepSpeed dict,
-    keys the user's JSON changed), or a ConfigError."""
-    from lmrepo.plan.job import plan
-
-    job = plan(cfg, world, device)
-    return job.ds_config, job.user_changed
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_losses(run_dir: Path) -> list[float]:
-    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
-
-
-def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
-    )
-
-
-def summary_rows(stdout: str) -> dict[str, dict]:
-    """The sweep launcher's closing table, by job number: {"0": {"overrides": ..., "status": ...}}
-    (cells apart by two spaces or more; an empty last cell as "")."""
-    lines = stdout.splitlines()
-    start = max(i for i, line in enumerate(lines) if line.startswith("job  "))
-    header = re.split(r"\s{2,}", lines[start].strip())
-    rows = {}
-    for line in lines[start + 1 :]:
-        if not line.startswith("#"):
-            break
-        cells = re.split(r"\s{2,}", line.strip())
-        rows[cells[0][1:]] = dict(zip(header, cells + [""] * (len(header) - len(cells))))
-    return rows

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import REPO
+from harness import REPO
 
 PACKAGE = REPO / "lmrepo"
 

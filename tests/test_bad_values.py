@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import FORKED_PYTHON, PYTHON, REPO
+from harness import FORKED_PYTHON, PYTHON, REPO
 
 CASES = [
     # model
@@ -127,14 +127,14 @@ CASES = [
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     """Every case through train.py's __main__, each in a fresh environment, in one interpreter
-    (tests/bad_value_driver.py), from an empty working directory with an empty token cache."""
+    (tests/probes/bad_value_driver.py), from an empty working directory with an empty token cache."""
     root = tmp_path_factory.mktemp("bad-values")
     work, cache = root / "work", root / "cache"
     work.mkdir()
     (root / "cases.json").write_text(json.dumps([overrides.split() for overrides, _ in CASES]))
     env = dict(os.environ, LMREPO_CACHE=str(cache), WANDB_MODE="offline")
     proc = subprocess.run(
-        [PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")],
+        [PYTHON, str(REPO / "tests" / "probes" / "bad_value_driver.py"), str(root / "cases.json")],
         cwd=work,
         env=env,
         capture_output=True,
@@ -201,7 +201,8 @@ def test_a_global_batch_derives_the_accumulation_on_any_rank_count():
     """trainer.global_batch_size set and trainer.grad_accum left out: the accumulation follows the
     rank count (as DeepSpeed derives it from train_batch_size), so a run resumed on fewer ranks keeps
     its global batch; a grad_accum given on the command line is still checked."""
-    from conftest import CPU, compose_config, validate
+    from harness import CPU, validate
+    from lmrepo.plan.compose import compose_config
     from lmrepo.utils.errors import ConfigError
 
     for ranks, accum in ((1, 4), (2, 2), (4, 1)):
@@ -212,7 +213,8 @@ def test_a_global_batch_derives_the_accumulation_on_any_rank_count():
 
 
 def test_a_one_stage_pipeline_is_said():
-    from conftest import CPU, compose_config
+    from harness import CPU
+    from lmrepo.plan.compose import compose_config
     from lmrepo.plan.job import plan
 
     notes = plan(compose_config(["pipeline=gpipe", "pipeline.stages=1"]), 1, CPU).notes

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import PYTHON, REPO, assert_ok
+from harness import PYTHON, REPO, assert_ok
 from lmrepo.estimate import model_state_bytes, zero12_model_state_bytes
 
 BENCHMARKS = REPO / "benchmarks"

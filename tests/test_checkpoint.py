@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import (
+from harness import (
     BF16,
     FORKED_PYTHON,
     GPT2,

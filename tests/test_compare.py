@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import FORKED_PYTHON, PYTHON, REPO, TINY, assert_ok, read_metrics, summary_rows
+from harness import FORKED_PYTHON, PYTHON, REPO, TINY, assert_ok, read_metrics, summary_rows
 
 COMPARE = str(REPO / "scripts" / "compare.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

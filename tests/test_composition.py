@@ -1,7 +1,7 @@
 """Every pair of techniques, together: refused by a row of the rules table (lmrepo/plan/rules.py)
 with its reason, or run on 2 CPU ranks and compared with the run it claims to equal
 (tests/composition.py says which, and how). All the pairs run in one launch
-(tests/composition_probe.py: the ranks start once, then build, step and drop one configuration
+(tests/probes/composition_probe.py: the ranks start once, then build, step and drop one configuration
 after another); each pair is its own test here.
 
 Tolerances, from the arithmetic of a few AdamW steps of a tiny model:
@@ -24,10 +24,10 @@ Tolerances, from the arithmetic of a few AdamW steps of a tiny model:
 import json
 import subprocess
 
-import composition
 import pytest
 
-from conftest import REPO, launcher
+import composition
+from harness import REPO, launcher
 from lmrepo.plan import rules
 from lmrepo.plan.compose import compose_config
 from lmrepo.plan.job import plan
@@ -75,7 +75,7 @@ def results(tmp_path_factory, corpus) -> dict:
     proc = subprocess.run(
         [
             *launcher(2),
-            str(REPO / "tests" / "composition_probe.py"),
+            str(REPO / "tests" / "probes" / "composition_probe.py"),
             str(out / "results.json"),
             str(out / "cases.json"),
         ],

@@ -9,8 +9,8 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from conftest import CONF, CPU, CPU_WITHOUT_BF16, GPU, compose_config, validate
-from lmrepo.plan.compose import load_config
+from harness import CONF, CPU, CPU_WITHOUT_BF16, GPU, validate
+from lmrepo.plan.compose import compose_config, load_config
 from lmrepo.plan.ds_config import resolve_batch
 from lmrepo.plan.job import plan
 from lmrepo.utils.errors import ConfigError

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, REPO
+from harness import PYTHON, REPO
 from lmrepo.utils.cpu_malloc import is_glibc, user_chose_allocator
 
 # Allocates and frees 200 MB five times, writing every page, after one warm-up allocation; prints

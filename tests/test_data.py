@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FORKED_PYTHON, REPO
+from harness import FORKED_PYTHON, REPO
 from lmrepo.data.batches import MixtureOrder, SampleOrder, eval_indices
 from lmrepo.data.corpus import read_pieces, shakespeare_files
 from lmrepo.data.loader import Layout, LMData, MaskedInputs

@@ -11,7 +11,7 @@ checkpointing mode must give the same training loss. Tolerances (tests/numerics.
 
 import pytest
 
-from conftest import BF16, read_metrics, train_losses
+from harness import BF16, read_metrics, train_losses
 from numerics import STEPS_BF16, STEPS_FP32, assert_close
 
 pytestmark = pytest.mark.distributed

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPU, PYTHON, REPO, TINY, assert_ok, compose_config, validate
+from harness import GPU, PYTHON, REPO, TINY, assert_ok, validate
+from lmrepo.plan.compose import compose_config
 
 DOCS = REPO / "docs"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, assert_ok, read_metrics, run_train, train_losses
+from harness import TINY, assert_ok, read_metrics, run_train, train_losses
 from lmrepo.config import load
 from lmrepo.data.batches import MixtureBlocks, TokenBlocks
 from lmrepo.data.loader import Layout, LMData, separate_documents

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY, read_metrics, run_train
+from harness import PYTHON, REPO, TINY, read_metrics, run_train
 from lmrepo.distributed.device import detect_device
 
 CONFIGS = REPO / "tests" / "data" / "ds_configs"
@@ -92,7 +92,8 @@ def test_real_config_trains(tmp_path, name):
 def test_an_unused_section_is_checked_once_its_feature_is_on():
     """With checkpointing on, the section's ZeRO-R rules hold (contiguous_memory_optimization needs
     number_checkpoints), said in one line that names the file once."""
-    from conftest import CPU, compose_config, validate
+    from harness import CPU, validate
+    from lmrepo.plan.compose import compose_config
     from lmrepo.utils.errors import ConfigError
 
     path = CONFIGS / "llamafactory_ds_z3_e11_act_ckpt.json"
@@ -105,12 +106,12 @@ def test_an_unused_section_is_checked_once_its_feature_is_on():
 
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
-    """The refused files through train.py's __main__ in one interpreter (tests/bad_value_driver.py)."""
+    """The refused files through train.py's __main__ in one interpreter (tests/probes/bad_value_driver.py)."""
     root = tmp_path_factory.mktemp("refused")
     cases = [[*SHORT, f"deepspeed_config={CONFIGS / name}", f"hydra.run.dir={root / name}"] for name in REFUSED]
     (root / "cases.json").write_text(json.dumps(cases))
     proc = subprocess.run(
-        [PYTHON, str(REPO / "tests" / "bad_value_driver.py"), str(root / "cases.json")],
+        [PYTHON, str(REPO / "tests" / "probes" / "bad_value_driver.py"), str(root / "cases.json")],
         cwd=root,
         capture_output=True,
         text=True,

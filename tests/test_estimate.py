@@ -10,11 +10,11 @@ import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from conftest import FORKED_PYTHON, REPO, compose_config
+from harness import FORKED_PYTHON, REPO
 from lmrepo import estimate
 from lmrepo.models import meta_model
 from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops
-from lmrepo.plan.compose import load_config
+from lmrepo.plan.compose import compose_config, load_config
 
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 # The well-known totals of the GPT-2 checkpoints as transformers counts them (tied head once).

@@ -28,19 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    CPU,
-    FORKED_PYTHON,
-    REPO,
-    TINY,
-    assert_ok,
-    compose_config,
-    launcher,
-    read_metrics,
-    run_train,
-    validate,
-)
+from harness import CPU, FORKED_PYTHON, REPO, TINY, assert_ok, launcher, read_metrics, run_train, validate
 from lmrepo.data.tokenizer import _package_dir
+from lmrepo.plan.compose import compose_config
 from lmrepo.utils.errors import ConfigError
 from numerics import VOCAB, assert_close, reordered_sum
 
@@ -309,7 +299,7 @@ def test_in_loop_fsdp2_equals_its_checkpoint(tmp_path):
 @pytest.mark.distributed
 def test_pipeline_checkpoint_evaluates_like_the_data_parallel_run(launch2):
     """A gpipe checkpoint (per-layer files) consolidated in memory, against the data-parallel run
-    of the same global batch (test_pipelining shares both runs)."""
+    of the same global batch (test_torch_pipeline shares both runs)."""
     from lmrepo.data.tokenizer import load_tokenizer
     from lmrepo.export import consolidate
 

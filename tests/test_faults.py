@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
+from harness import (
     FORKED_PYTHON,
     GPT2,
     PYTHON,
     REPO,
     TINY,
     assert_ok,
-    free_port,
     logged_steps,
     popen_train,
     read_metrics,
@@ -32,6 +31,7 @@ from conftest import (
     stop_with_signal,
     wait_for,
 )
+from lmrepo.distributed.launch import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -18,20 +18,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import composition
 import pytest
 import torch
 
-from conftest import (
-    FORKED_PYTHON,
-    REPO,
-    TINY,
-    assert_ok,
-    kill_9_after_a_save,
-    launcher,
-    read_metrics,
-    run_train,
-)
+import composition
+from harness import FORKED_PYTHON, REPO, TINY, assert_ok, kill_9_after_a_save, launcher, read_metrics, run_train
 from lmrepo.plan.compose import load_config
 from lmrepo.utils.errors import ConfigError
 from numerics import NORM_STEPS, STEPS_FP32, assert_close
@@ -210,7 +201,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
 
 def test_fsdp2_model_states_per_rank_are_the_estimate(tmp_path):
     """The bytes the first and the last rank hold after a step, at 2, 8 and 64 ranks (the job built
-    on torch's fake process group, one rank at a time, in one process: tests/fsdp2_probe.py): their
+    on torch's fake process group, one rank at a time, in one process: tests/probes/fsdp2_probe.py): their
     shards of the fp32 parameters, the gradients they get and AdamW's two moments, 16 bytes an
     element of each tensor's dim-0 rows that Shard(0) gives the rank (exactly), and
     scripts/estimate.py's FSDP2 figure (16 bytes x parameters / ranks) within one row of each
@@ -223,7 +214,7 @@ def test_fsdp2_model_states_per_rank_are_the_estimate(tmp_path):
 
     overrides = [*TINY, "engine=fsdp2"]
     proc = subprocess.run(
-        [*FORKED_PYTHON, str(REPO / "tests" / "fsdp2_probe.py"), str(tmp_path), "2,8,64", *overrides],
+        [*FORKED_PYTHON, str(REPO / "tests" / "probes" / "fsdp2_probe.py"), str(tmp_path), "2,8,64", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -254,10 +245,10 @@ def test_generate_runs_on_an_fsdp2_run(launch2, tmp_path):
 
 
 def probe(out, ranks: int, cases: list[list[str]]) -> dict:
-    """Each job's losses and gradient norms by its overrides (tests/composition_probe.py: the ranks
+    """Each job's losses and gradient norms by its overrides (tests/probes/composition_probe.py: the ranks
     start once for all of them)."""
     (out / "cases.json").write_text(json.dumps(cases))
-    words = [str(REPO / "tests" / "composition_probe.py"), str(out / "out.json"), str(out / "cases.json")]
+    words = [str(REPO / "tests" / "probes" / "composition_probe.py"), str(out / "out.json"), str(out / "cases.json")]
     proc = subprocess.run([*launcher(ranks), *words], cwd=out, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "out.json").read_text())

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, TORCHRUN, assert_ok, free_port, launcher, run_train
+from harness import REPO, TINY, TORCHRUN, assert_ok, launcher, run_train
 from lmrepo.data.tokenizer import _package_dir
 from lmrepo.distributed.device import detect_device
+from lmrepo.distributed.launch import free_port
 from lmrepo.generate import main, parse_args, run
 from numerics import assert_close, reordered_sum
 

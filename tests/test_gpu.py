@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train
+from harness import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train
 from lmrepo.distributed.device import detect_device
 from lmrepo.estimate import count_parameters, model_state_bytes
 from lmrepo.models import meta_model
@@ -93,12 +93,12 @@ def test_fsdp2_on_cuda_equals_deepspeed_zero3(tmp_path):
 @needs_gpu
 def test_muon_on_cuda_compiles_its_update_and_follows_the_reference(tmp_path):
     """optimizer=muon on one GPU: its update torch.compile'd (optimizer.compile=null on CUDA),
-    four clipped steps against the plain-torch reference of tests/muon_probe.py run on the CPU.
+    four clipped steps against the plain-torch reference of tests/probes/muon_probe.py run on the CPU.
     Both orthogonalise in bf16, on other kernels: close, not equal (the CPU test is bit for bit)."""
     overrides = [*TINY, "trainer.max_steps=4", "optimizer=muon", "trainer.grad_clip=0.5"]
     overrides += ["schedule=wsd", "schedule.warmup_steps=0", "schedule.decay_fraction=0"]
     proc = subprocess.run(
-        [PYTHON, str(REPO / "tests/muon_probe.py"), str(tmp_path), *overrides], capture_output=True, text=True
+        [PYTHON, str(REPO / "tests/probes/muon_probe.py"), str(tmp_path), *overrides], capture_output=True, text=True
     )
     assert_ok(proc)
     result = json.loads((tmp_path / "muon_probe.json").read_text())

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import FORKED_PYTHON, REPO, read_metrics, train_losses, validate
+from harness import FORKED_PYTHON, REPO, read_metrics, train_losses, validate
 from lmrepo.config import ModelConfig
 from lmrepo.distributed.device import detect_device
 from lmrepo.models import build_model

@@ -9,17 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import (
-    FORKED_PYTHON,
-    PYTHON,
-    REPO,
-    TINY,
-    assert_ok,
-    compose_config,
-    kill_9_after_a_save,
-    read_metrics,
-    run_train,
-)
+from harness import FORKED_PYTHON, PYTHON, REPO, TINY, assert_ok, kill_9_after_a_save, read_metrics, run_train
+from lmrepo.plan.compose import compose_config
 from numerics import STEPS_FP32, VOCAB, assert_close, reordered_sum
 
 pytestmark = pytest.mark.distributed
@@ -163,11 +154,11 @@ def test_activation_checkpointing_keeps_the_load_balancing_gradient(tmp_path):
     DeepSpeed's (checkpointing.impl=deepspeed, reentrant: the block's forward under no_grad) and
     torch's must give every router the gradient of the load-balancing loss as well as the language
     model's. One process, fp32, ZeRO-0, 3 steps of each at a constant rate from the first (so steps
-    2 and 3 follow updates), in one launch (tests/moe_checkpointing_probe.py); the load-balancing
+    2 and 3 follow updates), in one launch (tests/probes/moe_checkpointing_probe.py); the load-balancing
     term weighted 1 (model.moe.aux_loss_coef=1), a large part of each router's gradient, which
     DeepSpeed's checkpointing used to leave out."""
     overrides = [*TINY, *MOE, "model.moe.aux_loss_coef=1", "schedule=constant", "schedule.warmup_steps=0"]
-    probe = [str(REPO / "tests" / "moe_checkpointing_probe.py"), str(tmp_path), "3", *overrides]
+    probe = [str(REPO / "tests" / "probes" / "moe_checkpointing_probe.py"), str(tmp_path), "3", *overrides]
     assert_ok(subprocess.run([PYTHON, *probe], capture_output=True, text=True))
     runs = torch.load(tmp_path / "moe_checkpointing.pt")
     assert all(step["lr"] > 0 for run in runs.values() for step in run)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY, assert_ok, run_train
+from harness import PYTHON, REPO, TINY, assert_ok, run_train
 
 BIN = str(Path(sys.executable).parent)
 

@@ -9,11 +9,12 @@ import subprocess
 import pytest
 import torch
 
-from conftest import CPU, FORKED_PYTHON, GPU, REPO, TINY, assert_ok, compose_config, read_metrics, validate
+from harness import CPU, FORKED_PYTHON, GPU, REPO, TINY, assert_ok, read_metrics, validate
 from lmrepo.config import load
 from lmrepo.models import build_model
 from lmrepo.optim.muon import muon_parameters
 from lmrepo.optim.schedules import build_scheduler
+from lmrepo.plan.compose import compose_config
 from lmrepo.utils.errors import ConfigError
 from numerics import STEPS_FP32, assert_close
 
@@ -144,12 +145,12 @@ def test_muon_compiles_on_cuda_only_unless_told():
 def test_muon_equals_a_plain_torch_reference(tmp_path):
     """Four steps of lmrepo's Muon (DeepSpeed's, ZeRO-0, fp32, the gradient clipped at 0.5, which
     clips every step here) against Keller Jordan's Muon and torch's AdamW written in
-    tests/muon_probe.py: the same operations in the same order, so equal bit for bit (a bf16
+    tests/probes/muon_probe.py: the same operations in the same order, so equal bit for bit (a bf16
     rounding that differed would move a weight by ~1e-3)."""
     overrides = [*TINY, "trainer.max_steps=4", *MUON_WSD, "trainer.grad_clip=0.5"]
     overrides += ["schedule.warmup_steps=0", "schedule.decay_fraction=0"]  # constant learning rates
     proc = subprocess.run(
-        [*FORKED_PYTHON, str(REPO / "tests/muon_probe.py"), str(tmp_path), *overrides],
+        [*FORKED_PYTHON, str(REPO / "tests/probes/muon_probe.py"), str(tmp_path), *overrides],
         capture_output=True,
         text=True,
         timeout=600,

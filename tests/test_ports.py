@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import PYTHON, REPO
+from harness import PYTHON, REPO
 from lmrepo.distributed import launch
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PYTHON, REPO, TINY, free_port, read_metrics
+from harness import PYTHON, REPO, TINY, read_metrics
+from lmrepo.distributed.launch import free_port
 
 DEEPSPEED = str(Path(PYTHON).with_name("deepspeed"))
 

@@ -5,7 +5,7 @@ import os
 import re
 import subprocess
 
-from conftest import PYTHON, REPO
+from harness import PYTHON, REPO
 from lmrepo.config import TrainConfig
 from lmrepo.config.reference import OPTIONS_PAGE, SWEEPS_PAGE, markdown, recipes_table, rows, with_generated_tables
 from lmrepo.plan.compose import compose_config

@@ -9,7 +9,7 @@ import optuna
 import pytest
 import yaml
 
-from conftest import FORKED_PYTHON, PYTHON, REPO, TINY, read_metrics
+from harness import FORKED_PYTHON, PYTHON, REPO, TINY, read_metrics
 
 
 def search(root, *overrides, timeout=900):
@@ -114,7 +114,8 @@ def test_every_hparams_search_recipe_composes(recipe, tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from conftest import GPU, compose_config, validate
+    from harness import GPU, validate
+    from lmrepo.plan.compose import compose_config
 
     compose_config()  # registers the schema and resolvers
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

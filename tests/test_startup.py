@@ -9,7 +9,7 @@ import subprocess
 import cpuinfo
 import pytest
 
-from conftest import PYTHON, REPO, TINY
+from harness import PYTHON, REPO, TINY
 from lmrepo.utils import cpuinfo_cache
 
 

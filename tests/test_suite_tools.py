@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import numerics
-from conftest import PYTHON, REPO, fork_server_listening, launcher
+from harness import PYTHON, REPO, fork_server_listening, launcher
 from numerics import VOCAB, assert_close, relative_difference, reordered_sum
 
 IN_PROCESS = "tests/test_reference.py::test_every_key_has_a_docstring"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, TINY, assert_ok, compose_config, env_without_wandb_key, read_metrics, summary_rows
+from harness import PYTHON, REPO, TINY, assert_ok, env_without_wandb_key, read_metrics, summary_rows
+from lmrepo.plan.compose import compose_config
 
 
 def last_value(run_dir: Path, key: str) -> float:

@@ -11,11 +11,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.activations import ACT2FN
 
-from conftest import CPU, GPU, PYTHON, REPO, compose_config
+from harness import CPU, GPU, PYTHON, REPO
 from lmrepo.config import compile_by_default
 from lmrepo.estimate import active_block_params
 from lmrepo.models import build_model
-from lmrepo.plan.compose import load_config
+from lmrepo.plan.compose import compose_config, load_config
 from lmrepo.plan.job import plan
 
 
@@ -260,7 +260,7 @@ def test_one_process_without_zero_skips_the_gradient_all_reduce_and_steps_the_sa
     the reduction (it moves the gradients into the optimizer's partitions)."""
     import subprocess
 
-    from conftest import free_port
+    from lmrepo.distributed.launch import free_port
 
     proc = subprocess.run(
         [PYTHON, "-c", ONE_PROCESS_STEPS, str(free_port())], capture_output=True, text=True, cwd=REPO, timeout=600

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import BF16, PYTHON, REPO, TINY, assert_ok, launcher, read_metrics, run_train, train_losses, validate
+from harness import BF16, PYTHON, REPO, TINY, assert_ok, launcher, read_metrics, run_train, train_losses, validate
 from lmrepo.distributed.device import detect_device
 from lmrepo.generate import main as generate_main
 from lmrepo.plan.compose import compose_checked
@@ -78,12 +78,12 @@ def test_autotp_bf16_grad_norm_and_clipping_equal_one_process(tmp_path):
     matrices (lmrepo/distributed/tp.py): DeepSpeed 0.19.8 left the second rank's out (12% low here).
     3 steps of the TINY llama in bf16 at a constant rate, clipping at every step
     (trainer.grad_clip=0.05, far below the norm), on 2 AutoTP ranks and as one process
-    (tests/grad_clip_probe.py)."""
+    (tests/probes/grad_clip_probe.py)."""
     overrides = [*LLAMA, *BF16, "trainer.grad_clip=0.05", "schedule=constant", "schedule.warmup_steps=0"]
     sharded, plain = tmp_path / "tp2", tmp_path / "tp1"
     for run_dir, ranks, extra in ((sharded, 2, ["tp=auto"]), (plain, 0, [])):
         run_dir.mkdir()
-        probe = [str(REPO / "tests" / "grad_clip_probe.py"), str(run_dir), "3", *overrides, *extra]
+        probe = [str(REPO / "tests" / "probes" / "grad_clip_probe.py"), str(run_dir), "3", *overrides, *extra]
         assert_ok(subprocess.run([*launcher(ranks), *probe], capture_output=True, text=True, timeout=600))
     ranks = [json.loads((sharded / f"steps_rank{r}.json").read_text()) for r in (0, 1)]
     reference = json.loads((plain / "steps_rank0.json").read_text())

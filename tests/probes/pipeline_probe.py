@@ -1,4 +1,4 @@
-"""Launched by tests/test_pipeline.py under `deepspeed --num_gpus 2`: one DeepSpeed pipeline
+"""Launched by tests/test_ds_pipeline.py under `deepspeed --num_gpus 2`: one DeepSpeed pipeline
 step (fp32, ZeRO-0) of tiny GPT-2 on 2 stages, recording on each stage the tied embedding's
 gradient after DeepSpeed all-reduced it and the factor gradient clipping scaled it by, and
 (rank 0) the same step on the whole transformers model. Usage: pipeline_probe.py OUT_DIR [overrides...]"""
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from probe_job import start_job
 from transformers import set_seed
 
 from lmrepo.distributed.launch import init_distributed, prepare_argv
 from lmrepo.engines.base import pipeline_inputs
 from lmrepo.models import build_model
+from probe_job import start_job
 
 
 def main(out: Path, overrides: list[str]) -> None:

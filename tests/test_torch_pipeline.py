@@ -15,10 +15,11 @@ wrong gradient, a missing tied-weight reduction or a wrong LR would fail.
 import pytest
 import torch
 
-from conftest import TINY, assert_ok, compose_config, read_metrics, run_train, train_losses
+from harness import TINY, assert_ok, read_metrics, run_train, train_losses
 from lmrepo.engines.torch_pipeline import partition, tied_owner
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
+from lmrepo.plan.compose import compose_config
 from numerics import STEPS_FP32, assert_close
 
 PIPE = ("trainer.grad_accum=2", "precision=fp32")  # 2 micro-batches: at least one per stage

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from composition import case_dir
 from transformers import set_seed
 
 from lmrepo.config import to_dict
@@ -41,6 +40,9 @@ from lmrepo.run import engine_data
 from lmrepo.train import checkpoint
 from lmrepo.train.loop import TrainState
 from lmrepo.utils.errors import ConfigError
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: the matrix's cases, composition.py
+from composition import case_dir  # noqa: E402
 
 DEEPSPEED_GROUPS = {  # deepspeed.utils.groups' module state, as import leaves it
     "_EXPERT_PARALLEL_GROUP": dict,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from probe_job import start_job
 
 from lmrepo.distributed.launch import init_distributed
+from probe_job import start_job
 
 
 def squares(tensors) -> torch.Tensor:

@@ -2,7 +2,7 @@
 costs two seconds of imports); each case sees a fresh environment. Prints one JSON line per
 case: the exit code and stderr. Used by tests/test_bad_values.py.
 
-    python tests/bad_value_driver.py CASES.json     (a list of argument lists)
+    python tests/probes/bad_value_driver.py CASES.json     (a list of argument lists)
 """
 
 import contextlib
@@ -13,7 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
-TRAIN = str(Path(__file__).resolve().parents[1] / "train.py")
+TRAIN = str(Path(__file__).resolve().parents[2] / "train.py")
 
 
 def run(args: list[str]) -> dict:

@@ -1,4 +1,4 @@
-"""Run by tests/test_optimizers.py as `python tests/muon_probe.py OUT_DIR [overrides...]` (one
+"""Run by tests/test_optimizers.py as `python tests/probes/muon_probe.py OUT_DIR [overrides...]` (one
 process): lmrepo's optimizer=muon engine (DeepSpeed's Muon, ZeRO-0) for trainer.max_steps steps,
 then the same steps from the same weights and batches with a plain-torch reference written here:
 Keller Jordan's Muon (quintic Newton-Schulz in bf16, Nesterov momentum, update scaled by
@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import torch
-from probe_job import start_job
 from transformers import set_seed
 
 from lmrepo.distributed.launch import init_distributed, prepare_argv
 from lmrepo.models import build_model
+from probe_job import start_job
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
