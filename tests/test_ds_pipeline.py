@@ -146,7 +146,13 @@ def test_zero2_pipeline_refused_before_launch(tmp_path):
         (["pipeline=1f1b", "zero=stage2"], 2, CPU, "supports ZeRO stage 0 or 1, not 2"),
         (["pipeline=1f1b", "zero=stage3"], 2, CPU, "supports ZeRO stage 0 or 1, not 3"),
         (["pipeline=gpipe", "zero=stage1"], 2, CPU, "runs DeepSpeed's ZeRO stage 0 only"),
-        (["pipeline=gpipe", "offload=cpu", "zero=stage0"], 2, CPU, "optimizer offload to cpu needs ZeRO stage >= 1"),
+        # the pair's own row speaks first: no ZeRO stage would make the torch pipeline offload
+        (
+            ["pipeline=gpipe", "offload=cpu", "zero=stage0"],
+            2,
+            CPU,
+            "does not offload: set offload=none, or pipeline=1f1b",
+        ),
         (["pipeline=gpipe", "precision=fp16"], 2, GPU, "runs fp32 or bf16"),
         (["pipeline=gpipe", "engine=fsdp2", "offload=cpu"], 2, CPU, "does not offload: set offload=none$"),
         (["pipeline=1f1b_torch", "trainer.grad_accum=1"], 2, CPU, "at least as many micro-batches as stages"),
