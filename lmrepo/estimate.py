@@ -185,29 +185,81 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
     splits counted 1/tp, the head a vocabulary-parallel loss splits as tensor-parallel rank `tp_rank`
     holds it (rank 0 holds the most where the vocabulary does not divide). One entry per pipeline
     rank (one without a pipeline). `net`: meta_model's."""
-    from lmrepo.distributed.tp import block_tp_plan, own_plan
-    from lmrepo.models import transformer_blocks
-
-    split, by_rows = set(), set()
-    if layout.tp > 1:
-        for block in transformer_blocks(net):
-            for name in own_plan(block, block_tp_plan(net)):  # a mixture of experts stays whole
-                split.update(id(p) for p in block.get_submodule(name).parameters())
-        if tp_plans.loss_parallel(config):  # the head split by vocabulary
-            by_rows.update(id(p) for p in net.get_output_embeddings().parameters())
+    styles = _tp_styles(net, config, layout)
 
     def share(p) -> float:
-        if id(p) in by_rows:  # DTensor's Shard(0): ceil(rows / tp) rows a rank, the last one the rest
-            rows = p.shape[0]
-            per_rank = -(-rows // layout.tp)
-            return max(0, min(per_rank, rows - tp_rank * per_rank)) * (p.numel() // rows)
-        return p.numel() / (layout.tp if id(p) in split else 1)
+        if styles.get(id(p)) == "vocabulary":  # DTensor's Shard(0): ceil(rows / tp) rows a rank, the last one the rest
+            return shard_rows(p.shape[0], layout.tp, tp_rank) * (p.numel() // p.shape[0])
+        return p.numel() / (layout.tp if id(p) in styles else 1)
 
     def elements(params) -> float:
         return float(sum(share(p) for p in params))
 
+    return [
+        RankParameters(elements(sharded), elements(whole)) for sharded, whole in _stage_parameters(net, config, layout)
+    ]
+
+
+class ShardArithmetic:
+    """The parameter elements each rank holds under engine=fsdp2 on `layout`, exactly: its pipeline
+    rank's parameters (fsdp2_rank_parameters' split), each cut as torch cuts it: by tensor
+    parallelism first (Shard(0) over the tp ranks for a column-wise linear and a vocabulary-split
+    head, Shard(1) for a row-wise linear's weight), then fully_shard's Shard(0) of what is left over
+    the rank's dp_shard ranks; both in torch.chunk's pieces (shard_rows). A weight two of the rank's
+    chunks share stays whole. `net`: meta_model's."""
+
+    def __init__(self, net: torch.nn.Module, config, layout):
+        self.layout = layout
+        self.styles = _tp_styles(net, config, layout)
+        self.stages = _stage_parameters(net, config, layout)
+
+    def copies(self, param) -> int:
+        """On how many ranks of one replica a parameter's pieces add up to it once: tp for a
+        tensor tensor parallelism leaves whole (each tp rank holds and shards its own copy)."""
+        return 1 if id(param) in self.styles else self.layout.tp
+
+    def elements(self, rank: int) -> int:
+        where, layout = self.layout.coordinates(rank), self.layout
+
+        def local(p, sharded: bool) -> int:
+            shape = list(p.shape)
+            style = self.styles.get(id(p))
+            if style in ("colwise", "vocabulary") or (style == "rowwise" and p.dim() == 1):
+                shape[0] = shard_rows(shape[0], layout.tp, where["tp"])
+            elif style == "rowwise":
+                shape[1] = shard_rows(shape[1], layout.tp, where["tp"])
+            if sharded:
+                shape[0] = shard_rows(shape[0], layout.dp_shard, where["dp_shard"])
+            return math.prod(shape)
+
+        sharded, whole = self.stages[layout.stage(rank)]
+        return sum(local(p, True) for p in sharded) + sum(local(p, False) for p in whole)
+
+
+def _tp_styles(net: torch.nn.Module, config, layout) -> dict[int, str]:
+    """How tensor parallelism splits each parameter it splits, by id: "colwise" and "rowwise" as the
+    blocks' plan names their linears (a mixture of experts' experts stay whole), "vocabulary" for
+    the head a vocabulary-parallel loss splits."""
+    if layout.tp <= 1:
+        return {}
+    from lmrepo.distributed.tp import block_tp_plan, own_plan
+    from lmrepo.models import transformer_blocks
+
+    styles = {}
+    for block in transformer_blocks(net):
+        for name, style in own_plan(block, block_tp_plan(net)).items():
+            styles.update((id(p), style) for p in block.get_submodule(name).parameters())
+    if tp_plans.loss_parallel(config):
+        styles.update((id(p), "vocabulary") for p in net.get_output_embeddings().parameters())
+    return styles
+
+
+def _stage_parameters(net: torch.nn.Module, config, layout) -> list[tuple[list, list]]:
+    """Per pipeline rank (one without a pipeline): (the parameters FSDP2 shards, those it keeps
+    whole), the layers of the rank's chunks as the torch pipeline splits them; a parameter two of
+    the rank's chunks share (a V placement's tied embedding) is kept whole."""
     if config.pipeline.engine != "torch":  # the whole model, one FSDP2 unit per block and the root
-        return [RankParameters(elements(net.parameters()))]  # parameters() lists a tied weight once
+        return [(list(net.parameters()), [])]  # parameters() lists a tied weight once
     from lmrepo.engines.torch_pipeline import partition, placement, tied_owner
     from lmrepo.models import pipe
 
@@ -223,12 +275,67 @@ def fsdp2_rank_parameters(net: torch.nn.Module, config, layout, tp_rank: int = 0
         params.update(held)
         chunks[rank].update(held.keys())
     return [
-        RankParameters(
-            elements(params[key] for key, n in counts.items() if n == 1),
-            elements(params[key] for key, n in counts.items() if n > 1),
-        )
+        ([params[key] for key, n in counts.items() if n == 1], [params[key] for key, n in counts.items() if n > 1])
         for counts in chunks
     ]
+
+
+@dataclass
+class PlannedRank:
+    """One rank of an engine=fsdp2 job as the engine builds it (lmrepo.engines.fsdp2.parallelize, or
+    the torch pipeline's stages), on the meta device over torch's fake process group."""
+
+    rank: int
+    coordinates: dict  # the rank's place on each dimension of the layout
+    held: int  # the parameter elements of the rank's shards (and of what it keeps whole)
+    arithmetic: int  # ShardArithmetic's: the same cut, from the shapes alone
+
+
+def planned_shards(config, layout, ranks: list[int]) -> list[PlannedRank]:
+    """engine=fsdp2's real shards of each of `ranks` of `layout`, at any world size and model size, in
+    this process: for each rank, torch's fake process group of the layout's world (every collective a
+    no-op), the layout's device mesh, the model train.py builds made on the meta device (shapes, no
+    memory), then the engine's own parallelization of it (tensor parallelism, fully_shard; or the
+    torch pipeline's chunks of the rank's stage, each block and chunk fully_shard'ed)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    arithmetic = ShardArithmetic(meta_model(config.model), config, layout)
+    planned = []
+    for rank in ranks:
+        dist.init_process_group("fake", rank=rank, world_size=layout.world, store=FakeStore())
+        try:
+            params = _parallelized_parameters(config, layout, layout.mesh("cpu"), layout.stage(rank))
+            held = sum(_local(p).numel() for p in params)
+        finally:
+            dist.destroy_process_group()
+        planned.append(PlannedRank(rank, layout.coordinates(rank), held, arithmetic.elements(rank)))
+    return planned
+
+
+def _parallelized_parameters(config, layout, mesh, stage: int) -> list:
+    """This rank's parameters once the engine has parallelized the model (the meta device's)."""
+    net = meta_model(config.model)
+    if config.pipeline.engine != "torch":
+        from lmrepo.engines import fsdp2
+
+        fsdp2.parallelize(net, config, layout, mesh, torch.device("cpu"))
+        return list(net.parameters())
+    from lmrepo.engines.torch_pipeline import partition, placement, rank_chunks, shard_chunks, stage_sharding
+    from lmrepo.models import pipe
+
+    pipeline = config.pipeline
+    layers = pipe.pipeline_layers(net, config.model.family)
+    parts = [int(p) for p in partition(layers, layout.pp * pipeline.virtual_stages, pipeline.partition_method)]
+    _, chunks = rank_chunks(layers, parts, placement(pipeline.schedule, layout.pp, pipeline.virtual_stages), stage)
+    shard_chunks(chunks, stage_sharding(net, config, layout, mesh))
+    return list(chunks.parameters())
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def optimizer_group_sizes(model: torch.nn.Module) -> list[list[int]]:

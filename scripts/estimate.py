@@ -5,29 +5,39 @@
 
 Arguments are train.py's Hydra overrides plus the keys of the estimate itself:
     world=N          ranks (GPUs) of the job (1)
+    shards=RANKS     engine=fsdp2: the ranks whose real shards are built, comma-separated ("first,last":
+                     the first and the last rank; "none": no build), on the meta device over torch's
+                     fake process group of `world` ranks, in this process
     gpus_per_node=N  ranks per node: host memory per node, DeepSpeed's estimators (min(8, world))
     tokens=T         tokens to train on (300e9, as in the worked examples of the 8TP/(nX) arithmetic)
     tflops=X         achieved TFLOP/s per device counting recomputation, lmrepo's `tflops` metric;
     gpu=NAME mfu=F   otherwise X comes from NAME's peak (A100; or metrics.peak_tflops=) x MFU F (0.4,
                      about what the 18B GPT of those examples reaches: 50.5% of an A100's peak
                      with recomputation, 38% counting model FLOPs only)
-No process group, no GPU, nothing written. A bad argument: one line on stderr, exit 2.
+No GPU and nothing written; the only process group is torch's fake one, in this process, for the
+real shards. The job is held to train.py's rules for `world` ranks, the final DeepSpeed dict's
+included. A bad argument, or a job the rules refuse: one line on stderr, exit 2.
 """
 
 import os
 import sys
 from dataclasses import dataclass
 
-from lmrepo import estimate
-from lmrepo.config import TrainConfig
-from lmrepo.distributed import tp
-from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.models import meta_model
-from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops
-from lmrepo.plan.compose import load_config
-from lmrepo.plan.ds_config import resolve_batch
-from lmrepo.plan.job import layout_check
-from lmrepo.utils.errors import ConfigError, exit_error
+from lmrepo.utils import quiet
+
+quiet.install()  # before DeepSpeed is imported: its accelerator notice is no line for the user
+
+from lmrepo import estimate  # noqa: E402
+from lmrepo.config import TrainConfig  # noqa: E402
+from lmrepo.distributed import tp  # noqa: E402
+from lmrepo.distributed.layout import ParallelLayout  # noqa: E402
+from lmrepo.models import meta_model  # noqa: E402
+from lmrepo.observability.metrics import executed_flops_per_token, flops_per_token, peak_tflops  # noqa: E402
+from lmrepo.plan import rules  # noqa: E402
+from lmrepo.plan.compose import load_config  # noqa: E402
+from lmrepo.plan.ds_config import build_ds_config, resolve_batch  # noqa: E402
+from lmrepo.plan.job import layout_check  # noqa: E402
+from lmrepo.utils.errors import ConfigError, exit_error  # noqa: E402
 
 OWN_KEYS = {
     "world": (int, 1),
@@ -36,6 +46,7 @@ OWN_KEYS = {
     "tflops": (float, None),
     "gpu": (str, "A100"),
     "mfu": (float, 0.4),
+    "shards": (str, "first,last"),
 }
 OFFLOADS = ("none", "cpu", "nvme")
 GIB = 2**30
@@ -93,6 +104,7 @@ def load_job(argv: list[str]) -> Job:
             cfg.precision.dtype = "bf16"
         layout = layout_check(cfg, own["world"])
         dp = layout.dp
+        rules.check(rules.Job(cfg, build_ds_config(cfg, dp)))  # the rows that read the final DeepSpeed dict
         global_batch, micro, grad_accum = resolve_batch(
             cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, cfg.trainer.grad_accum, dp
         )
@@ -217,6 +229,53 @@ def print_fsdp2_states(job: Job, net) -> None:
         "  precision from forward to backward; zero=stage3 gathers one block at a time (not counted, as for ZeRO-3).\n"
         "  A pipeline rank holds its stage's layers, tensor parallelism 1/tp of each block's linears (a\n"
         "  mixture of experts' experts whole), HSDP's replicas each a copy of the shards."
+    )
+
+
+def shard_ranks(spec: str, world: int) -> list[int]:
+    """The ranks `shards=` names: "first,last", numbers, or "none"."""
+    if spec == "none":
+        return []
+    ranks = []
+    for word in spec.split(","):
+        rank = {"first": 0, "last": world - 1}.get(word)
+        if rank is None:
+            if not word.isdigit() or int(word) >= world:
+                fail(f"shards={spec}: {word} is not first, last or a rank below world={world}")
+            rank = int(word)
+        ranks.append(rank)
+    return sorted(set(ranks))
+
+
+def print_real_shards(job: Job) -> None:
+    """engine=fsdp2's shards as the engine cuts them, built for the chosen ranks on the meta device
+    over torch's fake process group, next to the arithmetic above."""
+    ranks = shard_ranks(job.own["shards"], job.own["world"])
+    if not ranks:
+        return
+    if job.cfg.engine.name != "fsdp2":
+        print(
+            "\nReal shards: not built for engine=deepspeed (DeepSpeed's ZeRO needs a real process group for its "
+            "collectives, not torch's fake one): its arithmetic above is the plan"
+        )
+        return
+    layout = job.layout
+    print(
+        f"\nReal shards per rank (engine=fsdp2 built on the meta device over torch's fake process group of "
+        f"{layout.world} ranks: {layout.describe()}), GiB"
+    )
+    print(f"  {'rank':<6}{'coordinates':<34}{'parameters':>14}{'params':>8}{'grads':>8}{'Adam':>8}  arithmetic")
+    for planned in estimate.planned_shards(job.cfg, layout, ranks):
+        place = " ".join(f"{k} {v}" for k, v in planned.coordinates.items() if layout.sizes[k] > 1) or "-"
+        fp32 = 4 * planned.held / GIB  # FSDP2 keeps fp32 shards of the parameters, gradients and both moments
+        same = "equal" if planned.held == planned.arithmetic else f"{planned.arithmetic:,} (differs: a defect)"
+        print(f"  {planned.rank:<6}{place:<34}{planned.held:>14,}{fp32:>8.2f}{fp32:>8.2f}{2 * fp32:>8.2f}  {same}")
+    print(
+        "  parameters: the elements of the rank's shards (and of what it keeps whole), fp32: 4 bytes each for\n"
+        "  the parameters and the gradients, 8 for Adam's moments. arithmetic: estimate.ShardArithmetic,\n"
+        "  the same cut from the shapes alone (tensor parallelism, then fully_shard's first dimension, both\n"
+        "  in torch.chunk's pieces: ceil(rows / ranks) a rank, the last ranks the rest); the table above\n"
+        "  counts an even share"
     )
 
 
@@ -345,6 +404,7 @@ def print_compute(job: Job, params: int, checkpointed: int, peak: float | None) 
 
 
 def main(argv: list[str]) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's estimators need no device: skip its probe
     job = load_job(argv)
     cfg, own = job.cfg, job.own
     model = meta_model(cfg.model)
@@ -356,7 +416,6 @@ def main(argv: list[str]) -> None:
     peak = peak_tflops(own["gpu"], cfg.precision.dtype, cfg.metrics.peak_tflops)
     if own["tflops"] is None and peak is None:
         fail(f"gpu={own['gpu']} has no known {cfg.precision.dtype} peak: set tflops=X, or metrics.peak_tflops=")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's estimators need no device: skip its probe
 
     l, h = job.shape["n_layer"], job.shape["n_embd"]
     checkpointed = estimate.checkpointed_layers(l, cfg.checkpointing)
@@ -395,6 +454,7 @@ def main(argv: list[str]) -> None:
     if cfg.model.family == "mixtral" and cfg.engine.name == "deepspeed":
         print_moe_states(job, params)
     print_fsdp2_states(job, model)
+    print_real_shards(job)
     print_gradient_layout(job, params, estimate.optimizer_group_sizes(model))
     print_activations(job, model, checkpointed)
     print_compute(job, params, checkpointed, peak)

@@ -443,7 +443,9 @@ def test_script_in_process(args, capsys):
     [
         (["no_such_key=1"], "no_such_key"),
         (["model=gpt5"], "model=gpt5"),
-        (["zero=stage1", "offload=nvme"], "NVMe offload needs ZeRO-3"),
+        (["zero=stage1", "offload=nvme"], "needs ZeRO-3"),
+        # a rule of the final DeepSpeed dict, at the planned size
+        (["engine=fsdp2", "pipeline=zbv", "pipeline.stages=4", "trainer.grad_accum=8", "world=512"], "pipeline=zbv"),
         (["tflops=-3"], "tflops=-3"),
         (["world=6", "gpus_per_node=4"], "gpus_per_node"),
         (["model=gpt2", "data.block_size=2048"], "data.block_size=2048"),
@@ -488,3 +490,51 @@ def test_a_tensor_split_unevenly_gives_each_rank_torch_chunks_share():
         chunks = [len(c) for c in torch.arange(vocab).chunk(tp)]
         assert shares == chunks + [0] * (tp - len(chunks)), (vocab, tp, shares)
         assert sum(shares) == vocab
+
+
+# engine=fsdp2's layouts at a cluster's size: the shards the engine cuts, built on the meta device
+# over torch's fake process group (lmrepo.estimate.planned_shards), against the same cut made from
+# the shapes alone (lmrepo.estimate.ShardArithmetic).
+LARGE_LAYOUTS = {
+    "fsdp2": ["engine=fsdp2"],
+    "hsdp": ["engine=fsdp2", "engine.replicate=8"],
+    "fsdp2_tp": ["engine=fsdp2", "tp=auto", "tp.size=8"],
+    "pipeline_fsdp2_tp": [
+        *("engine=fsdp2", "tp=auto", "tp.size=8"),
+        *("pipeline=1f1b_torch", "pipeline.stages=4", "trainer.grad_accum=8"),
+    ],
+}
+
+
+@pytest.mark.parametrize("layout_name", LARGE_LAYOUTS)
+@pytest.mark.parametrize("world", [64, 512, 1024])
+@pytest.mark.parametrize("model", ["llama-3-8b", "llama-3-70b"])
+def test_the_shards_of_a_large_layout_are_the_arithmetic(model, world, layout_name):
+    """The first and the last rank hold, element for element, what the arithmetic says; and the
+    arithmetic gives every parameter element to exactly one rank of each replica."""
+    from lmrepo.plan.job import layout_check
+
+    config = load_config([f"model={model}", *LARGE_LAYOUTS[layout_name]])
+    layout = layout_check(config, world)
+    # the last rank: the last stage, the last tp rank, the smallest pieces; the first one too at 1,024
+    for planned in estimate.planned_shards(config, layout, [0, world - 1] if world == 1024 else [world - 1]):
+        assert planned.held == planned.arithmetic, (planned.rank, planned.coordinates)
+    net = meta_model(config.model)
+    arithmetic = estimate.ShardArithmetic(net, config, layout)
+    every_rank = sum(arithmetic.elements(rank) for rank in range(world))
+    assert every_rank == sum(p.numel() * arithmetic.copies(p) for p in net.parameters()) * layout.dp_replicate
+
+
+def test_the_script_prints_the_real_shards_of_a_1024_rank_70b_layout():
+    proc = run_estimate("model=llama-3-70b", "engine=fsdp2", "tp=auto", "tp.size=8", "world=1024")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("  0 ", "  1023 "))]
+    # rank 0: 1/128 of its tp rank's slice; the last rank: fewer rows of the vocabulary-split head
+    assert [row[0] for row in rows] == ["0", "1023"] and all(row[-1] == "equal" for row in rows)
+    assert rows[0][5] == "76,097,600" and rows[1][5] == "75,311,168"
+    assert "dp_shard 128 x tp 8" in proc.stdout
+
+
+def test_the_script_says_deepspeed_is_not_built_on_the_fake_group(capsys):
+    load_script().main(["model=llama-3-8b", "zero=stage3", "world=64"])
+    assert "Real shards: not built for engine=deepspeed" in capsys.readouterr().out

@@ -79,9 +79,6 @@ class FSDP2Engine:
         scheduler: dict,
         grad_clip: float,
         micro_batches: int,
-        reshard_after_forward: bool,
-        bf16: bool,
-        offload: bool,
         device: torch.device,
         layout: ParallelLayout,
         mesh: DeviceMesh,
@@ -93,25 +90,11 @@ class FSDP2Engine:
         # and in backward (its ops are DTensor's, dispatched while the context is open)
         self.loss_context = loss_parallel if vocabulary_parallel else contextlib.nullcontext
         self.dp_rank, self.dp_size = layout.dp_rank(dist.get_rank()), layout.dp
-        # FSDP shards over the data-parallel ranks; with replicas (HSDP) over the ranks of one replica,
-        # each shard replicated across the replicas (a 2-D mesh: fully_shard's replicate x shard).
-        # The ranks of a tp group each shard their own slices (and their copies of the rest) over them.
         dp_mesh = layout.data_mesh(mesh)
         # The ranks that read different samples, for lm-eval to deal documents over (a tp group's
         # ranks score the same ones); None: every rank reads its own.
         self.data_group = (dp_mesh._flatten() if dp_mesh.ndim > 1 else dp_mesh).get_group() if layout.tp > 1 else None
-        policy = {
-            "mesh": dp_mesh,
-            "reshard_after_forward": reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if bf16
-            else MixedPrecisionPolicy(),
-            "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
-        }
-        for block in transformer_blocks(model):
-            fully_shard(block, **policy)
-        # The root holds the embeddings, the final norm and the (tied) LM head.
-        self.module = fully_shard(model, **policy)
+        self.module = model  # parallelized (parallelize): every block and the root fully_shard'ed
         groups = param_groups(self.module, optimizer.weight_decay)
         self.optimizer = torch_optimizer(groups, optimizer)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
@@ -300,6 +283,39 @@ def _torch_value(module: str, name: str) -> bool:
     return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
 
 
+def parallelize(
+    model: torch.nn.Module, config: TrainConfig, layout: ParallelLayout, mesh: DeviceMesh, device: torch.device
+) -> None:
+    """The job's layout applied to `model` in place, in torchtitan's order: tensor parallelism,
+    activation checkpointing, compile, then fully_shard of each block and of the root (the
+    embeddings, the final norm, the head). FSDP shards over the data-parallel ranks; with replicas
+    (HSDP) over the ranks of one replica, each shard replicated across the replicas (a 2-D mesh:
+    fully_shard's replicate x shard). The ranks of a tp group each shard their own slices (and their
+    copies of the rest) over them. The engine calls it on the real model; a plan of any size calls
+    it on the meta device over torch's fake process group (lmrepo.estimate.planned_shards)."""
+    vocabulary_parallel = layout.tp > 1 and tp.loss_parallel(config)
+    if layout.tp > 1:
+        parallelize_blocks(model, mesh["tp"], tp.sequence_parallel(config), vocabulary_parallel)
+    enable_activation_checkpointing(model, config.checkpointing)
+    if config.trainer.compile:
+        isolate_compile_cache()
+        for block in transformer_blocks(model):
+            # in place: parameter names, hence checkpoints, are unchanged
+            block.compile(backend=str(config.trainer.compile_backend))
+    offload = config.offload.target == OffloadTarget.cpu
+    policy = {
+        "mesh": layout.data_mesh(mesh),
+        "reshard_after_forward": config.zero.stage == 3,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if config.precision.dtype == "bf16"
+        else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
+    }
+    for block in transformer_blocks(model):
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+
+
 def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2Engine:
     """The model built and seeded as DeepSpeed's engine builds it, then sharded, on the device
     DeepSpeed's accelerator names for this rank (the same the DeepSpeed engines run on)."""
@@ -314,27 +330,15 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     vocabulary_parallel = layout.tp > 1 and tp.loss_parallel(config)
     if vocabulary_parallel and tiles == 1:
         causal_loss.install(model, 1)  # lmrepo's loss: a plain loss from the split logits, which it never returns
-    offload = config.offload.target == OffloadTarget.cpu
-    if not offload:
+    if config.offload.target != OffloadTarget.cpu:
         model.to(device)
-    # torchtitan's order: tensor parallelism, activation checkpointing, compile, then fully_shard
-    if layout.tp > 1:
-        parallelize_blocks(model, mesh["tp"], tp.sequence_parallel(config), vocabulary_parallel)
-    enable_activation_checkpointing(model, config.checkpointing)
-    if config.trainer.compile:
-        isolate_compile_cache()
-        for block in transformer_blocks(model):
-            # in place: parameter names, hence checkpoints, are unchanged
-            block.compile(backend=str(config.trainer.compile_backend))
+    parallelize(model, config, layout, mesh, device)
     return FSDP2Engine(
         model,
         config.optimizer,
         ds_config["scheduler"],
         config.trainer.grad_clip,
         batch_of(ds_config)[2],
-        reshard_after_forward=config.zero.stage == 3,
-        bf16=config.precision.dtype == "bf16",
-        offload=offload,
         device=device,
         layout=layout,
         mesh=mesh,

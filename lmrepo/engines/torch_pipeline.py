@@ -223,6 +223,27 @@ def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Para
     return shared
 
 
+def rank_chunks(layers: list, parts: list[int], placement: list[int], stage: int) -> tuple[list[int], nn.ModuleList]:
+    """(the indices, the modules) of the chunks pipeline rank `stage` runs: the layers between
+    `parts`' bounds of each chunk `placement` gives it."""
+    chunk_ids = [c for c, rank in enumerate(placement) if rank == stage]
+    chunks = nn.ModuleList(Chunk({i: build_layer(layers[i]) for i in range(parts[c], parts[c + 1])}) for c in chunk_ids)
+    return chunk_ids, chunks
+
+
+def stage_sharding(net: nn.Module, config: TrainConfig, layout: ParallelLayout, mesh: DeviceMesh) -> StageSharding:
+    """How engine=fsdp2 shards the stages of `net`'s pipeline on `layout`'s `mesh`."""
+    from lmrepo.distributed.tp import block_tp_plan
+
+    return StageSharding(
+        layout.data_mesh(mesh),
+        config.zero.stage == 3,
+        frozenset(transformer_blocks(net)),
+        mesh["tp"] if layout.tp > 1 else None,
+        block_tp_plan(net) if layout.tp > 1 else None,
+    )
+
+
 # --- the engine ----------------------------------------------------------------------------
 
 
@@ -281,10 +302,8 @@ class TorchPipelineEngine:
             if (note := pipe.balance_note(names, self.parts, pipeline.partition)) is not None:
                 print(note, flush=True)
 
-        self.chunk_ids = [c for c, rank in enumerate(self.placement) if rank == self.stage_id]
-        self.chunks = nn.ModuleList(
-            Chunk({i: build_layer(layers[i]) for i in range(self.parts[c], self.parts[c + 1])}) for c in self.chunk_ids
-        ).to(self.device)
+        self.chunk_ids, self.chunks = rank_chunks(layers, self.parts, self.placement, self.stage_id)
+        self.chunks.to(self.device)
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
         non_reentrant_checkpointing(self.chunks)
         self.sharding = sharding
@@ -565,16 +584,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
     loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
     sharding = None
     if config.engine.name == "fsdp2":
-        from lmrepo.distributed.tp import block_tp_plan
-
-        mesh = layout.mesh(get_accelerator().device_name())
-        sharding = StageSharding(
-            layout.data_mesh(mesh),
-            config.zero.stage == 3,
-            frozenset(transformer_blocks(net)),
-            mesh["tp"] if layout.tp > 1 else None,
-            block_tp_plan(net) if layout.tp > 1 else None,
-        )
+        sharding = stage_sharding(net, config, layout, layout.mesh(get_accelerator().device_name()))
     return TorchPipelineEngine(
         layers,
         loss,
