@@ -4,13 +4,15 @@ PY := .venv/bin/python
 ARGS ?=
 
 .PHONY: env setup train test test-quick lint format docs
-# env: .venv with everything lmrepo needs. setup: that, and DeepSpeed's CPU ops compiled side by
-# side once for this machine (scripts/build_ops.py; kept for every later checkout): OPS=none skips them.
+# env: .venv with everything lmrepo needs. setup: that, Slurm's daemons for the suite's two-node
+# cluster (as root), and DeepSpeed's CPU ops compiled side by side once for this machine
+# (scripts/build_ops.py; kept for every later checkout): OPS=none skips them.
 OPS ?= shm cpu_adam async_io fused_adam
 env:
 	bash scripts/setup.sh
 
 setup: env
+	bash scripts/install_slurm.sh
 	$(if $(filter-out none,$(OPS)),$(PY) scripts/build_ops.py $(filter-out none,$(OPS)))
 
 train: env

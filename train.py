@@ -50,8 +50,8 @@ def main(cfg: DictConfig) -> None:
         gc.disable()
         from lmrepo.plan.job import plan
 
-        adopt_slurm_env()  # RANK and WORLD_SIZE under srun, before the plan counts the ranks
         try:
+            adopt_slurm_env()  # RANK and WORLD_SIZE under srun, before the plan counts the ranks
             job = plan(cfg, world_size())  # against the device and the ranks, before transformers is imported
         except ConfigError as err:
             refuse(str(err), Path(cfg.run.dir))

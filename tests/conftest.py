@@ -74,6 +74,7 @@ HEAVIEST_FIRST = (
     "test_checkpoint.py",
     "test_moe.py",
     "test_sweep.py",
+    "test_slurm.py",
     "test_evaluate.py",
     "test_faults.py",
     "test_fsdp2.py",
@@ -276,3 +277,25 @@ def launch2(tmp_path_factory):
         return run_dir
 
     return run
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A two-node Slurm cluster on this machine for the session (harness.start_slurm_cluster), torn
+    down after: its slurm.conf. Needs Debian's slurmctld and slurmd, which `make setup` installs as
+    root, and root, as slurmd runs jobs as their users."""
+    import shutil
+    import tempfile
+
+    from harness import start_slurm_cluster, stop_slurm_cluster
+
+    if not all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sbatch", "sinfo")):
+        pytest.skip("Slurm's daemons are not installed (make setup installs Debian's slurmctld and slurmd as root)")
+    if os.getuid() != 0:
+        pytest.skip("slurmd runs jobs as their users: the test cluster needs root")
+    root = Path(tempfile.mkdtemp(prefix="lmrepo-slurm-"))
+    try:
+        yield start_slurm_cluster(root)
+    finally:
+        stop_slurm_cluster(root)
+        shutil.rmtree(root, ignore_errors=True)

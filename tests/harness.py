@@ -264,3 +264,80 @@ def fork_server_listening(path: str | None, timeout: float = 120) -> bool:
     while path and not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.2)
     return bool(path) and os.path.exists(path)
+
+
+SLURM_CONF = """ClusterName=lmrepo-tests
+SlurmctldHost=localhost
+SlurmctldPort={controller}
+AuthType=auth/none
+CredType=cred/none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd-%n.log
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName=node1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={node1} CPUs=2 State=UNKNOWN
+NodeName=node2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={node2} CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def start_slurm_cluster(root: Path) -> Path:
+    """A Slurm cluster of two nodes on this machine, as a small site runs one: slurmctld and two
+    slurmd (node1, node2: two CPUs each, so the two jobs of a sweep run side by side; reached at
+    127.0.0.1, node names that are no host names), no munge (auth/none), no accounting, every
+    file under `root`, every port free. Returns its slurm.conf (SLURM_CONF for sbatch and the
+    rest) once both nodes are idle."""
+    from lmrepo.distributed.launch import free_port
+
+    for folder in ("state", "spool/node1", "spool/node2"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    conf = root / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(root=root, controller=free_port(), node1=free_port(), node2=free_port()))
+    subprocess.run(["slurmctld", "-f", str(conf), "-i"], check=True, timeout=60)
+    for node in ("node1", "node2"):
+        subprocess.run(["slurmd", "-f", str(conf), "-N", node], check=True, timeout=60)
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        listed = subprocess.run(["sinfo", "--noheader", "--format=%T %D"], env=env, capture_output=True, text=True)
+        if listed.stdout.split() == ["idle", "2"]:
+            return conf
+        time.sleep(0.5)
+    stop_slurm_cluster(root)
+    raise AssertionError(f"the test cluster's nodes did not come up: {listed.stdout} {listed.stderr}")
+
+
+def stop_slurm_cluster(root: Path) -> None:
+    """Every daemon of the cluster under `root` ended (their pid files), its jobs with them."""
+    import signal
+
+    for pid_file in root.glob("*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in root.glob("*.pid")):
+        time.sleep(0.2)
+
+
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+        return True
+    except (OSError, ValueError):
+        return False

@@ -2,7 +2,9 @@
 
 import contextlib
 import os
+import re
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,21 @@ def register_resolvers() -> None:
     stamp = launch_time()
     if not OmegaConf.has_resolver("lmrepo_launch_time"):
         OmegaConf.register_new_resolver("lmrepo_launch_time", lambda fmt: time.strftime(fmt, time.localtime(stamp)))
+    if not OmegaConf.has_resolver("lmrepo_slurm_gpus"):
+        OmegaConf.register_new_resolver("lmrepo_slurm_gpus", slurm_gpus)
+
+
+def slurm_gpus(partition: str | None, ranks: int) -> int | None:
+    """GPUs per node for hydra/launcher=slurm: `ranks` where the partition's nodes have GPUs (a
+    `gpu` generic resource, as sinfo lists them), none where they have none: Slurm refuses a GPU
+    request on a partition without GPUs ("Invalid generic resource (gres) specification"). Without
+    sinfo here, `ranks` as asked."""
+    command = ["sinfo", "--noheader", "--format=%G", *(["--partition", str(partition)] if partition else [])]
+    try:
+        listed = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ranks
+    return ranks if "gpu" in listed else None
 
 
 def prepare_argv() -> None:
@@ -74,6 +91,31 @@ def adopt_slurm_env() -> None:
 
     # Every task keeps all GPUs of its node visible: DeepSpeed picks cuda:LOCAL_RANK itself.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    os.environ["MASTER_ADDR"] = node_address(os.environ["MASTER_ADDR"])
+
+
+def node_address(node: str) -> str:
+    """What reaches Slurm node `node`: its name where it resolves (the usual cluster), else the
+    NodeAddr Slurm knows it by (`scontrol show node`: a node name that is no host name). A name
+    neither resolves nor Slurm knows is one line, not a rendezvous that retries until it times out."""
+    try:
+        socket.getaddrinfo(node, None)
+        return node
+    except OSError:
+        pass
+    try:
+        shown = subprocess.run(
+            ["scontrol", "show", "node", node, "--oneliner"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        shown = ""
+    address = re.search(r"\bNodeAddr=(\S+)", shown)
+    if address is None:
+        raise ConfigError(
+            f"this Slurm job's first node, {node}, is no host name here and scontrol gives no NodeAddr for it: "
+            "the ranks cannot meet there; set MASTER_ADDR in the job's environment to an address of that node"
+        )
+    return address.group(1)
 
 
 # How long a port handed out by free_port stays claimed: long past any rank 0's bind of it

@@ -18,6 +18,9 @@ NOISE = {
         # lmrepo reads the rate of the first step before the scheduler's first step
         r"^Attempting to get learning rate from scheduler before it has started",
     ),
+    # submitit's status poll on a cluster without job accounting (sacct), at every poll of a
+    # Slurm sweep: it falls back to squeue's states, nothing is lost
+    "submitit": (r"Bypassing sacct error",),
 }
 # Printed (not logged) by DeepSpeed each time it loads its CPU all-reduce op.
 NOISE_PRINTS = (r"^DeepSpeed \S+ built successfully$",)
