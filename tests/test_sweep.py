@@ -321,7 +321,7 @@ def test_slurm_task_variables_become_a_torch_distributed_environment():
             "SLURM_LOCALID": "1",
             "SLURM_NODEID": "1",
             "SLURM_JOB_NUM_NODES": "2",
-            "SLURM_JOB_NODELIST": "gpu[01-02]",
+            "SLURM_JOB_NODELIST": "localhost,gpu02",
         }
     )
     script = (
@@ -329,7 +329,12 @@ def test_slurm_task_variables_become_a_torch_distributed_environment():
         "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])"
     )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["5", "8", "1", "gpu01"]
+    assert out.split() == ["5", "8", "1", "localhost"]
+    # A first node whose name does not resolve, where no scontrol knows it: one line naming it
+    # (tests/test_slurm.py reaches such a node at its Slurm NodeAddr)
+    env.update(SLURM_JOB_NODELIST="gpu[01-02]", PATH=os.path.dirname(sys.executable))
+    failed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert failed.returncode != 0 and "first node, gpu01, is no host name here" in failed.stderr
 
 
 def test_slurm_launcher_config_composes():
