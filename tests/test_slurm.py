@@ -63,3 +63,24 @@ def test_the_first_node_is_reached_at_its_slurm_address(slurm_cluster):
     assert node_address("localhost") == "localhost"
     with pytest.raises(ConfigError, match="no-such-node.*no host name"):
         node_address("no-such-node")
+
+
+@pytest.mark.parametrize(
+    "overrides, path, says",
+    [
+        (["hydra.launcher.partition=nosuch"], None, "Slurm refused the job: invalid partition specified: nosuch"),
+        ([], "venv", "which this machine does not have"),  # no sbatch, no srun: not a Slurm machine
+    ],
+)
+def test_a_submission_slurm_refuses_or_cannot_make_is_one_line(slurm_cluster, tmp_path, overrides, path, says):
+    env = {**os.environ, "SLURM_CONF": str(slurm_cluster)}
+    if path == "venv":
+        env["PATH"] = os.path.dirname(PYTHON)
+    command = [
+        *(PYTHON, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "launcher.ranks=1", *TINY, *overrides),
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]

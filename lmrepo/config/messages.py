@@ -120,13 +120,32 @@ def one_line_config_errors():
     except Exception as err:
         if traceback_wanted:
             raise
-        line = describe_hydra_error(err)
+        line = describe_hydra_error(err) or describe_slurm_error(err)
         if line is not None:
             exit_error(line)
         if (reason := disk_error(err)) is not None:
             # Hydra creating the run directory it was given
             exit_error(f"{reason}: choose a writable run directory with room (hydra.run.dir=...)", every_rank=True)
         raise
+
+
+def describe_slurm_error(err: Exception) -> str | None:
+    """hydra/launcher=slurm's submission refused (submitit's FailedJobError carries sbatch's own
+    words: a partition that does not exist, a request the partition cannot meet) or impossible (no
+    Slurm here), as one line; None for anything else."""
+    words = str(err).strip()
+    if type(err).__name__ == "FailedJobError" and words.startswith("sbatch: error:"):
+        said = words.splitlines()[0].removeprefix("sbatch: error:").strip()
+        return (
+            f"Slurm refused the job: {said}: check hydra.launcher.partition and what it asks of a node "
+            "(launcher.ranks, launcher.nodes, hydra.launcher.cpus_per_task, hydra.launcher.mem_gb)"
+        )
+    if isinstance(err, RuntimeError) and 'Could not detect "srun"' in words:
+        return (
+            "hydra/launcher=slurm submits with Slurm's sbatch and srun, which this machine does not have: run the "
+            "sweep on a login node of the cluster, or drop hydra/launcher=slurm to run the jobs here"
+        )
+    return None
 
 
 @contextmanager
