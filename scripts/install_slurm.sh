@@ -13,5 +13,9 @@ fi
 echo "lmrepo: installing Slurm (slurmctld, slurmd, its client tools) with apt-get, for the suite's two-node cluster"
 export DEBIAN_FRONTEND=noninteractive
 PACKAGES="slurmctld slurmd slurm-client"
-apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null 2>&1 \
-  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null; }
+# Best effort: a failed install leaves the Slurm tests skipping, never the setup failing.
+if ! apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null 2>&1; then
+  if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null; } 2>/dev/null; then
+    echo "lmrepo: apt-get could not install $PACKAGES: tests/test_slurm.py will skip"
+  fi
+fi
