@@ -300,13 +300,15 @@ def planned_shards(config, layout, ranks: list[int]) -> list[PlannedRank]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from lmrepo.engines.layer_files import local  # a rank's own part of a (D)Tensor
+
     arithmetic = ShardArithmetic(meta_model(config.model), config, layout)
     planned = []
     for rank in ranks:
         dist.init_process_group("fake", rank=rank, world_size=layout.world, store=FakeStore())
         try:
             params = _parallelized_parameters(config, layout, layout.mesh("cpu"), layout.stage(rank))
-            held = sum(_local(p).numel() for p in params)
+            held = sum(local(p).numel() for p in params)
         finally:
             dist.destroy_process_group()
         planned.append(PlannedRank(rank, layout.coordinates(rank), held, arithmetic.elements(rank)))
@@ -330,12 +332,6 @@ def _parallelized_parameters(config, layout, mesh, stage: int) -> list:
     _, chunks = rank_chunks(layers, parts, placement(pipeline.schedule, layout.pp, pipeline.virtual_stages), stage)
     shard_chunks(chunks, stage_sharding(net, config, layout, mesh))
     return list(chunks.parameters())
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def optimizer_group_sizes(model: torch.nn.Module) -> list[list[int]]:

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -231,7 +231,6 @@ class SaveCheckpoints(Hook):
     progress: Progress
     save_every: int
     max_steps: int
-    saved_steps: list = field(default_factory=list)
 
     def saving(self, step: int, stopped: str | None) -> bool:
         final = step == self.max_steps or stopped is not None
