@@ -66,6 +66,11 @@ def prepare_job(job: Plan, run_dir: Path):
             "training needs: choose model.tokenizer=bert (or a tokenizer with [MASK])"
         )
     resume = None
+    if config.run.resume is None and (restarts := launch.slurm_restarts()):
+        # Slurm requeued the job (its time limit, a pre-emption, a node that failed): the same
+        # command again, which continues from the checkpoint its last attempt saved.
+        config.run.resume = "auto"
+        job.notes.append(f"Slurm restarted this job ({restarts} time(s)): it continues from its last checkpoint")
     check_unused(run_dir, resuming=config.run.resume is not None, owner=launch.rank() == 0)
     found = checkpoint.find(config.run.resume, run_dir / "checkpoints")
     if found:

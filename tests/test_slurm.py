@@ -4,11 +4,14 @@ submitting to it as a user types it."""
 
 import json
 import os
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
-from harness import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train, train_losses
+from harness import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train, train_losses, wait_for
 from numerics import STEPS_FP32, assert_close
 
 pytestmark = pytest.mark.distributed
@@ -84,3 +87,150 @@ def test_a_submission_slurm_refuses_or_cannot_make_is_one_line(slurm_cluster, tm
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# --- a job's life on the cluster: its time limit, scancel, a node that dies ---------------------
+
+
+def start_sweep(conf: Path, tmp_path: Path, overrides: list[str]) -> tuple[subprocess.Popen, Path, dict]:
+    """One job of `hydra/launcher=slurm` on 2 nodes x 1 rank, left running: (the sweep, its job's run
+    directory, the environment that reaches the cluster)."""
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    sweep = tmp_path / "sweep"
+    command = [
+        *(PYTHON, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "hydra.launcher.partition=debug"),
+        *("hydra.launcher.cpus_per_task=1", "launcher.ranks=1", "launcher.nodes=2", *TINY, *overrides),
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    return proc, sweep / "0", env
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def slurm_job(env: dict) -> str:
+    """The id of the one job on the test cluster."""
+    listed = subprocess.run(["squeue", "--noheader", "--format=%i"], env=env, capture_output=True, text=True)
+    (job,) = listed.stdout.split()
+    return job
+
+
+def task_logs(run_dir: Path) -> str:
+    """Everything the job's tasks printed, every attempt (submitit's logs under the sweep)."""
+    return "".join(path.read_text(errors="replace") for path in sorted(run_dir.parent.glob(".submitit/*/*_log.*")))
+
+
+def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_cluster, tmp_path):
+    """The warning before a time limit (SIGUSR2 to every task: what `--signal=USR2@120` makes slurmctld
+    send; sent here with scancel when the test says, not when slurmctld's 30-s timer does) makes every
+    rank save; submitit requeues the job (`scontrol requeue`; Slurm holds a requeued job two minutes,
+    which the test cuts short), and the same command continues from that checkpoint: every step's loss
+    equals one uninterrupted run's, logged once, in the one W&B run of the job (one id), grouped by the sweep."""
+    steps = ["engine=fsdp2", "zero=stage3", "schedule=constant", "trainer.max_steps=400"]
+    proc, run_dir, env = start_sweep(slurm_cluster, tmp_path, [*steps, "logger=wandb", "hydra.launcher.timeout_min=5"])
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
+    job = slurm_job(env)
+    subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
+
+    def held() -> bool:
+        shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+        return "Restarts=1" in shown and "JobState=PENDING" in shown
+
+    wait_for(held, proc)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], env=env, check=True)
+    output = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0, output[-3000:]
+
+    logs = task_logs(run_dir)
+    saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert "Slurm restarted this job (1 time(s))" in logs and "lmrepo: resumed from" in logs, logs[-3000:]
+    assert 3 <= saved <= 400 and json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == list(range(1, 401))
+    local = run_train([*TINY, *steps], tmp_path / "uninterrupted", ranks=2, via="torchrun")
+    assert_ok(local)
+    assert_close(train_losses(run_dir), train_losses(tmp_path / "uninterrupted"), STEPS_FP32, "requeued")
+    attempts = sorted((run_dir / "wandb").glob("offline-run-*/*.wandb"))  # W&B offline: a folder per attempt
+    assert len(attempts) == 2 and len({path.parent.name.rsplit("-", 1)[1] for path in attempts}) == 1  # one run id
+    sweep = run_dir.parent
+    assert all(f"{sweep.parent.name}_{sweep.name}".encode() in path.read_bytes() for path in attempts)  # the group
+    assert "completed" in output and "best: #0" in output  # the sweep's summary
+
+
+def test_scancel_loses_no_checkpoint_the_job_wrote(slurm_cluster, tmp_path):
+    """scancel sends SIGTERM to every task: each rank saves once more and stops; every checkpoint
+    written before is still there and loads, and the sweep's summary says how to continue."""
+    from lmrepo.train.checkpoint import check_files
+
+    overrides = [
+        "engine=deepspeed",
+        "zero=stage2",
+        "schedule=constant",
+        "trainer.save_every=5",
+        "trainer.max_steps=100000",
+    ]
+    proc, run_dir, env = start_sweep(slurm_cluster, tmp_path, overrides)
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: len(list(checkpoints.glob("step_*/manifest.json"))) >= 2, proc)
+    before = sorted(path.parent.name for path in checkpoints.glob("step_*/manifest.json"))
+    subprocess.run(["scancel", slurm_job(env)], env=env, check=True)
+    output = proc.communicate(timeout=600)[0]
+
+    assert proc.returncode == 1, output[-3000:]  # the job did not complete: the sweep says so
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "stopped" and status["signal"] == "SIGTERM", status
+    assert "from outside the sweep (scancel" in output and "run.resume=auto" in output, output[-3000:]
+    for tag in before:
+        check_files(checkpoints / tag)
+    saved = int((checkpoints / "latest").read_text().strip().removeprefix("step_"))
+    assert saved >= int(before[-1].removeprefix("step_"))
+    resumed = run_train(
+        [*TINY, *overrides[:-1], f"trainer.max_steps={saved + 1}", "run.resume=auto"], run_dir, ranks=2, via="torchrun"
+    )
+    assert_ok(resumed)
+    assert f"resumed from {checkpoints / f'step_{saved:08d}'}" in resumed.stdout
+
+
+def test_a_job_whose_node_dies_ends_in_one_line_naming_the_node(slurm_cluster, tmp_path):
+    """node2's task killed (SIGKILL, as a node that dies takes it): the rank left on node1 ends at
+    once with the lost rank and its node named, the sweep reports that line, and nothing waits on."""
+    proc, run_dir, env = start_sweep(slurm_cluster, tmp_path, ["engine=deepspeed", "trainer.max_steps=100000"])
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
+    job = slurm_job(env)
+    (task,) = [pid for pid in process_ids() if task_of(pid, job) == "1"]
+    os.kill(task, signal.SIGKILL)
+    killed_at = time.monotonic()
+    output = proc.communicate(timeout=900)[0]  # a guard against a hang, not a speed limit
+    assert proc.returncode == 1, output[-3000:]
+    errors = [line for line in output.splitlines() if "lmrepo: job #0" in line and "died" in line]
+    assert len(errors) == 1 and f"rank 1 (pid {task} on node2) is gone" in errors[0], output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    print(f"the sweep ended {time.monotonic() - killed_at:.1f} s after node2's task was killed")
+
+
+def process_ids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def task_of(pid: int, job: str) -> str | None:
+    """SLURM_PROCID of process `pid` when it is the Python task of Slurm job `job`, else None."""
+    try:
+        environ = dict(
+            item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+        )
+        command = Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return None
+    if environ.get("SLURM_JOB_ID") != job or "submitit" not in command:
+        return None
+    return environ.get("SLURM_PROCID")

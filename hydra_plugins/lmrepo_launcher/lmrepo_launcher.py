@@ -102,6 +102,8 @@ class StopSignals:
 
 
 class LmrepoLauncher(Launcher):
+    reports_failures = True  # the summary and the exit status at the sweep's end (SweepEnd)
+
     def __init__(self, max_parallel: int = 1, timeout: int | None = None, kill_grace_s: int = 60) -> None:
         self.max_parallel, self.timeout, self.kill_grace_s = max(1, max_parallel), timeout, kill_grace_s
         self.config: DictConfig | None = None
@@ -121,7 +123,7 @@ class LmrepoLauncher(Launcher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         fixed = set(OmegaConf.to_container(self.config.hydra.overrides.task, resolve=False))
-        jobs = [self._job(initial_job_idx + i, list(o), sweep_dir, fixed) for i, o in enumerate(job_overrides)]
+        jobs = [compose_job(self, initial_job_idx + i, list(o), sweep_dir, fixed) for i, o in enumerate(job_overrides)]
         gpus = _gpu_count() if self.max_parallel > 1 else 0  # handed out per job only when jobs run side by side
         self._refuse_impossible(jobs, gpus)
         log.info(f"lmrepo launcher: {len(jobs)} job(s) in {sweep_dir}, {self.max_parallel} at a time")
@@ -130,27 +132,7 @@ class LmrepoLauncher(Launcher):
         self.jobs += jobs
         if stop.signum is not None:
             self._end_stopped(stop.signum)
-        return [self._job_return(job) for job in jobs]
-
-    def _job(self, num: int, overrides: list[str], sweep_dir: Path, fixed: set[str]) -> Job:
-        """Composes the job's config as BasicLauncher does (launcher.ranks, the run directory,
-        the objective); a job whose overrides do not compose is recorded as failed here."""
-        name = job_name(overrides, fixed)
-        hydra_config = HydraConfig.instance().cfg
-        try:
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-            with open_dict(cfg):
-                cfg.hydra.job.num = num
-                cfg.hydra.job.id = num
-            HydraConfig.instance().set_config(cfg)  # the subdir may read the job's own values: ${hydra:job.num}
-            run_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
-            return Job(num, overrides, run_dir, int(OmegaConf.select(cfg, "launcher.ranks", default=1)), name, cfg)
-        except Exception as err:  # Hydra's composition errors: the job cannot start
-            return Job(
-                num, overrides, sweep_dir / str(num), 0, name, error=f"{type(err).__name__}: {str(err).splitlines()[0]}"
-            )
-        finally:
-            HydraConfig.instance().cfg = hydra_config
+        return [job_return(job) for job in jobs]
 
     def _refuse_impossible(self, jobs: list[Job], gpus: int) -> None:
         """With max_parallel > 1 each job gets GPUs of its own: one that needs more than the machine
@@ -268,29 +250,14 @@ class LmrepoLauncher(Launcher):
         )
         raise SystemExit(128 + signum)
 
-    def _job_return(self, job: Job) -> JobReturn:
-        ret = JobReturn(overrides=job.overrides, working_dir=str(job.run_dir))
-        if job.cfg is not None:
-            task_cfg = copy.deepcopy(job.cfg)
-            with read_write(task_cfg), open_dict(task_cfg):
-                del task_cfg["hydra"]
-            ret.cfg, ret.hydra_cfg = task_cfg, OmegaConf.create({"hydra": job.cfg.hydra})
-            ret.task_name = job.cfg.hydra.job.name
-            ret.working_dir = str(job.run_dir) if job.cfg.hydra.job.chdir else os.getcwd()
-        if job.error is None:
-            ret.status, ret.return_value = JobStatus.COMPLETED, job.value
-        else:
-            ret.status, ret.return_value = JobStatus.FAILED, JobFailed(f"job #{job.num} ({job.name}): {job.error}")
-        return ret
-
 
 class SweepEnd(Callback):
     """The end of a sweep, whatever the sweeper: the summary of every job of every batch, and
     exit status 1 when any failed (a sweeper that goes on past failures, such as hydra/sweeper=lmrepo
     or Optuna's with max_failure_rate, would otherwise end the command with 0)."""
 
-    def __init__(self, launcher: LmrepoLauncher) -> None:
-        self.launcher = launcher
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher  # lmrepo's local launcher or its Slurm one: its .jobs
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         jobs = self.launcher.jobs
@@ -303,6 +270,43 @@ class SweepEnd(Callback):
                 f"{len(failed)} of {len(jobs)} job(s) failed; their errors are in <job dir>/status.json and job.log"
             )
             raise SystemExit(1)
+
+
+def compose_job(launcher: Launcher, num: int, overrides: list[str], sweep_dir: Path, fixed: set[str]) -> Job:
+    """Composes a sweep job's config as BasicLauncher does (launcher.ranks, the run directory,
+    the objective); a job whose overrides do not compose is recorded as failed here."""
+    name = job_name(overrides, fixed)
+    hydra_config = HydraConfig.instance().cfg
+    try:
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+        with open_dict(cfg):
+            cfg.hydra.job.num = num
+            cfg.hydra.job.id = num
+        HydraConfig.instance().set_config(cfg)  # the subdir may read the job's own values: ${hydra:job.num}
+        run_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
+        return Job(num, overrides, run_dir, int(OmegaConf.select(cfg, "launcher.ranks", default=1)), name, cfg)
+    except Exception as err:  # Hydra's composition errors: the job cannot start
+        return Job(
+            num, overrides, sweep_dir / str(num), 0, name, error=f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        )
+    finally:
+        HydraConfig.instance().cfg = hydra_config
+
+
+def job_return(job: Job) -> JobReturn:
+    ret = JobReturn(overrides=job.overrides, working_dir=str(job.run_dir))
+    if job.cfg is not None:
+        task_cfg = copy.deepcopy(job.cfg)
+        with read_write(task_cfg), open_dict(task_cfg):
+            del task_cfg["hydra"]
+        ret.cfg, ret.hydra_cfg = task_cfg, OmegaConf.create({"hydra": job.cfg.hydra})
+        ret.task_name = job.cfg.hydra.job.name
+        ret.working_dir = str(job.run_dir) if job.cfg.hydra.job.chdir else os.getcwd()
+    if job.error is None:
+        ret.status, ret.return_value = JobStatus.COMPLETED, job.value
+    else:
+        ret.status, ret.return_value = JobStatus.FAILED, JobFailed(f"job #{job.num} ({job.name}): {job.error}")
+    return ret
 
 
 def check_direction(config: DictConfig) -> None:
@@ -472,7 +476,7 @@ def print_summary(jobs: list[Job]) -> None:
         row = compare.summarize(run)
         status = run.status.get("status")
         state = (
-            status if status != "unknown" else "failed" if job.error else "completed" if job.process else "not started"
+            status if status != "unknown" else "failed" if job.error else "completed" if job.started else "not started"
         )
         rows.append(
             (

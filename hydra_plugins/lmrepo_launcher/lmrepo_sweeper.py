@@ -15,8 +15,6 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from hydra_plugins.lmrepo_launcher.lmrepo_launcher import LmrepoLauncher
-
 
 @dataclass
 class LmrepoSweeperConf(BasicSweeperConf):
@@ -43,8 +41,8 @@ class LmrepoSweeper(BasicSweeper):
             batch = self.get_job_batch()
             returns.append(self.launcher.launch(batch, initial_job_idx=initial_job_idx))
             initial_job_idx += len(batch)
-        if not isinstance(self.launcher, LmrepoLauncher):
-            # Another launcher (hydra/launcher=slurm) reports no failures itself: as BasicSweeper
+        if not getattr(self.launcher, "reports_failures", False):
+            # A launcher that reports no failures itself (hydra/launcher=submitit_local): as BasicSweeper
             # does, the first failed job's error ends the command, now after every batch ran.
             for ret in (ret for batch in returns for ret in batch):
                 _ = ret.return_value

@@ -80,6 +80,16 @@ def local_size() -> int:
     return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "0")))
 
 
+def node_count(world: int, planned: int) -> int:
+    """The nodes a job of `world` ranks runs on: WORLD_SIZE / the ranks per node the launcher set
+    (torchrun --nnodes, DeepSpeed's multi-node runner, Slurm); `planned` (launcher.nodes) where no
+    launcher started this world: a sweep's plan, an estimate."""
+    local = local_size()
+    if local and world == world_size() and world % local == 0:
+        return world // local
+    return planned
+
+
 def adopt_slurm_env() -> None:
     """A job started by Slurm (hydra/launcher=slurm, or srun) has SLURM_PROCID / SLURM_NTASKS per
     task but no RANK: submitit derives RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT from them."""
@@ -92,6 +102,12 @@ def adopt_slurm_env() -> None:
     # Every task keeps all GPUs of its node visible: DeepSpeed picks cuda:LOCAL_RANK itself.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     os.environ["MASTER_ADDR"] = node_address(os.environ["MASTER_ADDR"])
+
+
+def slurm_restarts() -> int:
+    """How many times Slurm restarted this job (SLURM_RESTART_COUNT: requeued at its time limit by
+    submitit, pre-empted, or after a node failed); 0 outside Slurm."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def node_address(node: str) -> str:

@@ -42,4 +42,6 @@ class StopRequest:
     def hand_back(self) -> None:
         previous = self.previous.get(self.signum)
         if callable(previous) and previous is not signal.default_int_handler:
+            if "wandb" in sys.modules:  # submitit's requeue ends the job's processes: W&B's service first
+                sys.modules["wandb"].teardown()
             previous(self.signum, None)

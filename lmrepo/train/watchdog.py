@@ -20,6 +20,11 @@ from pathlib import Path
 HEARTBEATS = ".heartbeat"
 
 
+# Where a rank runs, as its cluster names it: Slurm's node name (which need not be a host name),
+# else the host name.
+NODE = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 class Watchdog:
     def __init__(self, run_dir: Path, rank: int, world: int, timeout_s: float, on_hang):
         self.directory, self.rank, self.world, self.timeout_s = run_dir / HEARTBEATS, rank, world, timeout_s
@@ -37,7 +42,14 @@ class Watchdog:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(
             json.dumps(
-                {"rank": self.rank, "step": step, "time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+                {
+                    "rank": self.rank,
+                    "step": step,
+                    "time": time.time(),
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "node": NODE,
+                }
             )
         )
         os.replace(tmp, path)
@@ -72,9 +84,12 @@ class Watchdog:
             if beat is None:
                 found.append(f"rank {rank} never reported")
             elif beat["host"] == socket.gethostname() and (state := process_state(beat["pid"])) in ("gone", "stopped"):
-                found.append(f"rank {rank} (pid {beat['pid']}) is {state}, at step {beat['step']}")
+                found.append(
+                    f"rank {rank} (pid {beat['pid']} on {beat.get('node')}) is {state}, at step {beat['step']}"
+                )
             elif beat["step"] < newest:
-                found.append(f"rank {rank} is behind, at step {beat['step']} {now - beat['time']:.0f} s ago")
+                ago = now - beat["time"]
+                found.append(f"rank {rank} on {beat.get('node')} is behind, at step {beat['step']} {ago:.0f} s ago")
         return ", ".join(found)
 
     def describe(self, err: BaseException) -> str | None:
