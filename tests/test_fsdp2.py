@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import composition
-from harness import FORKED_PYTHON, REPO, TINY, assert_ok, kill_9_after_a_save, launcher, read_metrics, run_train
+from harness import FORKED_PYTHON, PYTHON, REPO, TINY, assert_ok, kill_9_after_a_save, launcher, read_metrics, run_train
 from lmrepo.plan.compose import load_config
 from lmrepo.utils.errors import ConfigError
 from numerics import NORM_STEPS, STEPS_FP32, assert_close
@@ -431,6 +431,50 @@ def test_hsdp_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks):
     """engine.replicate=2 on 4 ranks: 2 replicas, each sharding the model over 2 ranks (FSDP2 on a
     replicate x shard mesh), trains as FSDP2 sharding over all 4 (the same global batch)."""
     assert_trains_as(four_ranks.runs[HSDP_4], four_ranks.runs[FSDP2_4])
+
+
+def test_one_replica_per_node_follows_the_launcher(monkeypatch):
+    """engine.replicate=nodes: the launcher's node count (WORLD_SIZE over the ranks per node it set),
+    launcher.nodes where no launcher started the world (a sweep's plan, an estimate); refused in
+    one line under DeepSpeed, and a word that is neither a count nor `nodes` is one line too."""
+    from lmrepo.distributed.layout import ParallelLayout
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    config = load_config(["engine=fsdp2", "engine.replicate=nodes", "launcher.nodes=4"])
+    assert (ParallelLayout.of(config, 16).dp_replicate, ParallelLayout.of(config, 16).dp_shard) == (2, 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert (ParallelLayout.of(config, 16).dp_replicate, ParallelLayout.of(config, 16).dp_shard) == (4, 4)
+    with pytest.raises(ConfigError, match="engine.replicate=nodes replicates FSDP2's shards"):
+        load_config(["engine=deepspeed", "engine.replicate=nodes"])
+    with pytest.raises(ConfigError, match="must be a count >= 1 .* or nodes"):
+        load_config(["engine=fsdp2", "engine.replicate=many"])
+
+
+@pytest.mark.distributed
+def test_hsdp_across_two_torchrun_nodes_equals_fsdp2_over_4_ranks(four_ranks, tmp_path):
+    """Two nodes as two machines start them, here two `torchrun --nnodes 2 --nproc-per-node 2` on
+    this one (c10d rendezvous, ranks over loopback): engine.replicate=nodes makes one replica per
+    node, each sharding over its own node's 2 ranks, and trains as FSDP2 sharding over all 4."""
+    from lmrepo.distributed.launch import free_port
+
+    run_dir = tmp_path / "run"
+    command = [
+        *(PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d"),
+        *(f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=lmrepo-two-nodes", str(REPO / "train.py")),
+        *(*FSDP2_4, "engine.replicate=nodes", "trainer.log_every=1", "logger=jsonl", f"hydra.run.dir={run_dir}"),
+    ]
+    nodes = [
+        subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=900)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(output[-3000:] for output in outputs)
+    assert "2 replica(s), one per node, each sharding over its node's 2 data-parallel rank(s)" in "".join(outputs)
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]
+    ours = {"losses": [m["loss"] for m in logged], "grad_norms": [m["grad_norm"] for m in logged]}
+    assert_trains_as(ours, four_ranks.runs[FSDP2_4])
 
 
 @pytest.mark.distributed

@@ -21,11 +21,16 @@ class EngineConfig:
     name: EngineName = EngineName.deepspeed
     """deepspeed (ZeRO 0-3, offload, pipelines, AutoTP) | fsdp2 (PyTorch FSDP2: fully_shard per block; tp=auto
     with torch's tensor-parallel styles)"""
-    replicate: int = 1
-    """fsdp2: HSDP, the data-parallel ranks as this many replicas, each sharding the model over the rest"""
+    replicate: int | str = 1
+    """fsdp2: HSDP, the data-parallel ranks as this many replicas, each sharding the model over the rest;
+    nodes: one replica per node (the launcher's node count), sharding within each node"""
 
     def check(self) -> None:
-        require(self.replicate >= 1, f"engine.replicate={self.replicate} must be >= 1 (1 = shard over every rank)")
+        require(
+            self.replicate == "nodes" or (str(self.replicate).isdigit() and int(self.replicate) >= 1),
+            f"engine.replicate={self.replicate} must be a count >= 1 (1 = shard over every rank) or nodes "
+            "(one replica per node)",
+        )
 
 
 @dataclass

@@ -6,6 +6,7 @@ import ast
 import enum
 import inspect
 import textwrap
+import types
 import typing
 from dataclasses import fields, is_dataclass
 from functools import cache
@@ -50,6 +51,8 @@ def type_name(kind) -> str:
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is typing.Union and type(None) in args:
         return f"{type_name(next(a for a in args if a is not type(None)))} or null"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args)
     if origin in (list, typing.List):
         return f"list of {type_name(args[0])}"
     if isinstance(kind, type) and issubclass(kind, enum.Enum):

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from lmrepo.config.messages import more_ranks
+from lmrepo.distributed.launch import node_count
 from lmrepo.utils.errors import require
 
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
@@ -73,6 +74,7 @@ class ParallelLayout:
         )
         ranks //= sp
         replicate = config.engine.replicate
+        replicate = node_count(world, config.launcher.nodes) if replicate == "nodes" else int(replicate)
         _groups_divide(ranks, "engine.replicate", replicate, "data-parallel rank(s) (HSDP: replicas x shards)", world)
         ep = config.expert_parallel.size
         _groups_divide(

@@ -74,6 +74,11 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     if config.trainer.compile is None:
         config.trainer.compile, compile_line = compile_by_default(config, device.type)
         notes += [compile_line] if compile_line else []
+    if config.engine.replicate == "nodes":
+        notes.append(
+            f"lmrepo: engine.replicate=nodes: {layout.dp_replicate} replica(s), one per node, each sharding over "
+            f"its node's {layout.dp_shard} data-parallel rank(s)"
+        )
     if config.pipeline.schedule != "none" and config.pipeline.stages == 1:
         notes.append(
             f"lmrepo: note: pipeline={config.pipeline.schedule} with pipeline.stages=1 is a one-stage pipeline: "

@@ -272,7 +272,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("hsdp", "deepspeed"),
-        lambda j: _c(j).engine.replicate > 1 and _c(j).engine.name != "fsdp2",
+        lambda j: _c(j).engine.replicate != 1 and _c(j).engine.name != "fsdp2",
         lambda j: (
             f"engine.replicate={_c(j).engine.replicate} replicates FSDP2's shards (HSDP): choose engine=fsdp2, "
             "or set engine.replicate=1 (DeepSpeed's ZeRO shards over every data-parallel rank)"
