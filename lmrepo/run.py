@@ -47,7 +47,7 @@ from lmrepo.train.rundir import (
 from lmrepo.train.stop import StopRequest
 from lmrepo.train.watchdog import Watchdog
 from lmrepo.utils import cpu_malloc
-from lmrepo.utils.errors import ConfigError, TrainingError
+from lmrepo.utils.errors import ConfigError, TrainingError, exit_error
 
 
 def prepare_job(job: Plan, run_dir: Path):
@@ -391,7 +391,10 @@ def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
     started_at = psutil.Process().create_time()
     rank0 = launch.rank() == 0
     started = start(job, Path(cfg.run.dir), rank0)
-    plain_config = join(job, started, rank0)
+    try:
+        plain_config = join(job, started, rank0)
+    except TrainingError as err:  # the ranks did not meet: a verdict each rank reaches alone
+        exit_error(str(err), 1, every_rank=True)
     run_dir = started.run_dir
 
     def hung(message: str) -> None:  # the watchdog's last word, from its thread, before the process exits

@@ -217,6 +217,26 @@ def test_a_stopped_rank_ends_every_rank_with_its_name(tmp_path):
     print(f"every rank ended {took:.1f} s after rank 1 was stopped (run.hang_timeout_s=10)")
 
 
+def test_a_rank_that_cannot_reach_the_rendezvous_ends_in_one_line(tmp_path):
+    """A rank whose MASTER_ADDR:MASTER_PORT answers nothing (rank 0's node down, a wrong address)
+    ends within run.hang_timeout_s with one line naming the address, not torch's traceback."""
+    port = free_port()  # claimed for this test: nothing listens there
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "2"}
+    env["LOCAL_RANK"] = "1"
+    proc = subprocess.run(
+        [PYTHON, str(REPO / "train.py"), *TINY, "run.hang_timeout_s=5", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"could not meet the other 1 rank(s) at 127.0.0.1:{port}" in errors[0], errors
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.distributed
 def test_the_preemption_signal_saves_on_every_rank_then_resumes(tmp_path):
     """submitit's time-limit warning (SIGUSR2) reaches every task, as Slurm's --signal does."""

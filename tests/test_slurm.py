@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import PYTHON, REPO, TINY, assert_ok, read_metrics, run_train, train_losses, wait_for
+from harness import PYTHON, REPO, TINY, assert_ok, logged_steps, read_metrics, run_train, train_losses, wait_for
 from numerics import STEPS_FP32, assert_close
 
 pytestmark = pytest.mark.distributed
@@ -112,11 +112,6 @@ def start_sweep(conf: Path, tmp_path: Path, overrides: list[str]) -> tuple[subpr
         start_new_session=True,
     )
     return proc, sweep / "0", env
-
-
-def logged_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def slurm_job(env: dict) -> str:

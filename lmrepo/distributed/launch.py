@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lmrepo.utils.errors import ConfigError
+from lmrepo.utils.errors import ConfigError, TrainingError
 
 
 def strip_local_rank_arg(argv: list[str]) -> list[str]:
@@ -276,6 +276,7 @@ def init_distributed(timeout_s: float = 0) -> None:
     ops.pin_builds()  # before DeepSpeed reads where its ops are built
 
     import deepspeed
+    import torch.distributed
     import torch.distributed.distributed_c10d as c10d
     from deepspeed.accelerator import get_accelerator
 
@@ -294,8 +295,15 @@ def init_distributed(timeout_s: float = 0) -> None:
     kwargs = {}
     if timeout_s:
         kwargs["timeout"] = c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
-    with quiet_prints():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kwargs)
+    try:
+        with quiet_prints():
+            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kwargs)
+    except torch.distributed.DistError as err:  # the store not reached, or the others never came
+        raise TrainingError(
+            f"could not meet the other {world_size() - 1} rank(s) at "
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT): "
+            f"{str(err).splitlines()[0][:200]} Is rank 0's node up, and that address reachable from this one?"
+        ) from None
 
 
 def host_group():
