@@ -135,9 +135,8 @@ def compile_backend(*axes: str) -> str | None:
 
 def overrides(*axes: str) -> list[str]:
     """BASE with each axis turned on; the ZeRO stage is the highest any of them asks for (at most 1
-    with DeepSpeed's pipeline), and Muon
-    under ZeRO runs without clipping (DeepSpeed's ZeRO clips Muon's update, not the gradient:
-    refused with clipping on)."""
+    with DeepSpeed's pipeline), and Muon under DeepSpeed's ZeRO runs without clipping (ZeRO clips
+    Muon's update, not the gradient: refused with clipping on; FSDP2 clips the gradient)."""
     words = [w for axis in axes for w in OVERRIDES[axis]]
     stages = [int(w.removeprefix("zero=stage")) for w in words if w.startswith("zero=stage")]
     words = [w for w in words if not w.startswith("zero=stage")]
@@ -146,7 +145,7 @@ def overrides(*axes: str) -> list[str]:
         if "ds_pipeline" in axes and "zero3" not in axes:  # DeepSpeed's pipeline runs ZeRO-0 or 1 (offload: 1)
             stage = min(stage, 1)
         words.append(f"zero=stage{stage}")
-    if "muon" in axes and stages and max(stages) > 0:
+    if "muon" in axes and stages and max(stages) > 0 and "fsdp2" not in axes:
         words.append("trainer.grad_clip=0")
     if "moe" in axes and "fsdp2" in axes:  # FSDP2 shards each expert over its ranks: no expert parallelism
         words = [w.replace("expert_parallel.size=2", "expert_parallel.size=1") for w in words]

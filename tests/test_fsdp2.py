@@ -277,6 +277,10 @@ MOE_TP_4 = (*composition.overrides("fsdp2", "moe", "autotp"), "model.moe.every=2
 PP_4 = (*composition.overrides("fsdp2", "torch_pipeline"), "trainer.micro_batch_size=1", STEPS)
 PP_1F1B_4 = (*PP_4, "pipeline=1f1b_torch", "zero=stage2", "checkpointing=full")
 PP_TP_4 = (*composition.overrides("fsdp2", "torch_pipeline", "autotp"), "trainer.micro_batch_size=1", STEPS)
+# Muon (its two halves at their own rates: wsd without decay is constant) over the same layouts:
+# each matrix's update computed on the whole matrix however it is sharded
+MUON = tuple(composition.OVERRIDES["muon"])
+MUON_4, MUON_HSDP_4, MUON_TP_4 = ((*layout, *MUON) for layout in (FSDP2_4, HSDP_4, TP_4))
 # One stage of two looped chunks over 4 data-parallel ranks, embeddings tied: both chunks of a rank
 # hold the one embedding matrix, which FSDP2 cannot put in two units
 TIED = "model.tie_embeddings=true"
@@ -305,7 +309,7 @@ EIGHT_RANKS["tensor, bf16"] = [*EIGHT_RANKS["tensor"], "precision=bf16", SHORT]
 # layer, whole tensors by name) loads into any split and into a model without a pipeline; DCP's
 # (every layout without a pipeline) reshards on load.
 SAVE_AT = 3
-SAVED_4 = [HSDP_4, TP_4, PP_4, PP_TP_4, MOE_TP_4]  # FSDP2 over all ranks: test_fsdp2_resumes_bit_for_bit
+SAVED_4 = [HSDP_4, TP_4, PP_4, PP_TP_4, MOE_TP_4, MUON_TP_4]  # FSDP2 over all ranks: test_fsdp2_resumes_bit_for_bit
 # (the layout that saved, the one that resumes)
 RESHARDED_4 = [(TP_4, FSDP2_4), (PP_TP_4, TP_4), (PP_4, HSDP_4), (MOE_TP_4, MOE_4)]
 # 2 x 2 -> 4 x 1 -> 1 rank: the 4 x 1 run that resumed the tensor-parallel checkpoint saves again here
@@ -372,8 +376,11 @@ def four_ranks(tmp_path_factory) -> Probed:
         PP_SHARED_4,
         HSDP_CHECKPOINTED_4,
         HSDP_BF16_4,
+        MUON_4,
+        MUON_HSDP_4,
+        MUON_TP_4,
     ]
-    resumes = [(layout, layout) for layout in SAVED_4] + RESHARDED_4
+    resumes = [(layout, layout) for layout in SAVED_4] + RESHARDED_4 + [(MUON_TP_4, MUON_4)]
     return run_probe(tmp_path_factory.mktemp("four_ranks"), 4, layouts, resumes)
 
 
@@ -475,6 +482,32 @@ def test_hsdp_across_two_torchrun_nodes_equals_fsdp2_over_4_ranks(four_ranks, tm
     logged = [m for m in read_metrics(run_dir) if "loss" in m]
     ours = {"losses": [m["loss"] for m in logged], "grad_norms": [m["grad_norm"] for m in logged]}
     assert_trains_as(ours, four_ranks.runs[FSDP2_4])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [MUON_HSDP_4, MUON_TP_4], ids=["hsdp", "tensor-parallel"])
+def test_muon_on_sharded_matrices_trains_as_muon_under_fsdp2(four_ranks, layout):
+    """optimizer=muon under HSDP (2 replicas x 2 shards) and under FSDP2 x tensor parallelism (each
+    matrix cut over 2 data-parallel and 2 tensor-parallel ranks) trains as under FSDP2 over 4 ranks,
+    which composition's pair checks against DeepSpeed's Muon: every matrix's update orthogonalised
+    whole, whatever cuts it. Orthogonalising each rank's piece alone moves the second loss by ~1e-3
+    here. After the first update the losses are held to composition's Muon tolerance (its
+    Newton-Schulz runs in bf16, where gradients summed in another order can round otherwise). The
+    data x tensor checkpoint, Muon's momenta sharded over both dimensions, resumes bit for bit
+    (test_every_layout_resumes_bit_for_bit) and continues under FSDP2 alone."""
+    from test_composition import MUON_UPDATED_LOSS, close
+
+    ours, theirs = four_ranks.runs[layout], four_ranks.runs[MUON_4]
+    assert "losses" in ours and "losses" in theirs, (ours, theirs)
+    assert close(ours["losses"][0], theirs["losses"][0], LAYOUT_FP32["loss"]), (ours, theirs)
+    assert close(ours["grad_norms"][0], theirs["grad_norms"][0], LAYOUT_FP32["first_norm"]), (ours, theirs)
+    for step, (loss, reference) in enumerate(zip(ours["losses"][1:], theirs["losses"][1:], strict=True), 1):
+        assert close(loss, reference, MUON_UPDATED_LOSS), (step, ours, theirs)
+    if layout == MUON_TP_4:  # its checkpoint (each matrix's momentum sharded over both dimensions) on FSDP2 alone
+        resumed = four_ranks.resumed[MUON_TP_4, MUON_4]
+        assert "losses" in resumed, resumed
+        for loss, reference in zip(resumed["losses"], ours["losses"][SAVE_AT:], strict=True):
+            assert close(loss, reference, MUON_UPDATED_LOSS), (resumed, ours)
 
 
 @pytest.mark.distributed
@@ -647,8 +680,8 @@ def continues(result: dict, reference: dict, after: int) -> None:
 
 @pytest.mark.distributed
 def test_every_layout_resumes_bit_for_bit(four_ranks, eight_ranks):
-    """HSDP, data x tensor (of Llama and of the Mixtral-style model), pipeline x data, pipeline x
-    tensor (4 ranks) and both 3-D layouts (8
+    """HSDP, data x tensor (of Llama, of the Mixtral-style model, and with Muon), pipeline x data,
+    pipeline x tensor (4 ranks) and both 3-D layouts (8
     ranks), each saved at step 3 and resumed on itself by a fresh engine: steps 4-6 give the
     uninterrupted run's losses and gradient norms exactly. A state restored approximately (a
     moment, the rate, the data position, a slice of a DTensor) moves them at once."""

@@ -96,7 +96,7 @@ class FSDP2Engine:
         self.data_group = (dp_mesh._flatten() if dp_mesh.ndim > 1 else dp_mesh).get_group() if layout.tp > 1 else None
         self.module = model  # parallelized (parallelize): every block and the root fully_shard'ed
         groups = param_groups(self.module, optimizer.weight_decay)
-        self.optimizer = torch_optimizer(groups, optimizer)
+        self.optimizer = torch_optimizer(groups, optimizer, self.module)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
         self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
         self.grad_clip, self.micro_batches = grad_clip, micro_batches

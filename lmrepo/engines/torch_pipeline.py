@@ -331,7 +331,7 @@ class TorchPipelineEngine:
         )
 
         self.tied = self._tied_groups()
-        self.optimizer = torch_optimizer(param_groups(self.chunks, optimizer.weight_decay), optimizer)
+        self.optimizer = torch_optimizer(param_groups(self.chunks, optimizer.weight_decay), optimizer, self.chunks)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
         self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
         self.gradient_clipping, self.bf16 = grad_clip, bf16

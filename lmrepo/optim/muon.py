@@ -11,6 +11,8 @@ import contextlib
 import torch
 from torch import nn
 
+from lmrepo.config import OptimizerConfig
+
 
 def muon_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters Muon steps: the matrices of the hidden layers. Not an nn.Embedding's
@@ -79,3 +81,70 @@ def muon_roles(model: torch.nn.Module):
         yield
     finally:
         deepspeed.set_optimizer_flags = tag_by_name
+
+
+def whole_matrix_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float, ns_method: str) -> torch.Tensor:
+    """DeepSpeed's Muon update of one matrix (`muon_update`: Nesterov momentum, 5 Newton-Schulz
+    steps, the aspect-ratio scale), with the orthogonalisation on the whole matrix where the
+    matrix is sharded (a DTensor of FSDP2, HSDP or tensor parallelism): the momentum stays a shard
+    as the parameter is, the Nesterov blend is gathered (`full_tensor`: an all-gather over the
+    mesh), orthogonalised whole on every rank, and each rank keeps its own piece of the result (torch.chunk's
+    pieces, as the shards are cut: no communication). Orthogonalising each shard alone would be
+    another update, one per shard (Moonlight's distributed Muon gathers for the same reason).
+    `momentum` is updated in place."""
+    from deepspeed.runtime.zero.muon import original_muon
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    momentum.lerp_(grad, 1 - beta)
+    blend = grad.lerp(momentum, beta)
+    whole = blend.full_tensor() if isinstance(blend, DTensor) else blend
+    # The module's attributes, read now: compile_muon_update may have put the eager functions there.
+    if ns_method == "gram":
+        orthogonal = original_muon.zeropower_via_gram_newtonschulz(whole, steps=5)
+    else:
+        orthogonal = original_muon.zeropower_via_newtonschulz5(whole, steps=5)
+    orthogonal = (orthogonal * original_muon._aspect_ratio_scale(whole.size(-2), whole.size(-1))).to(whole.dtype)
+    if isinstance(blend, DTensor):
+        return distribute_tensor(orthogonal, blend.device_mesh, blend.placements, src_data_rank=None)
+    return orthogonal
+
+
+class ShardedMuon(torch.optim.Optimizer):
+    """DeepSpeed's Muon with its AdamW half (MuonWithAuxAdam's step; the AdamW half is torch's
+    AdamW, as DeepSpeed runs it on a CPU) for the engines that step a torch optimizer over sharded
+    parameters (FSDP2, HSDP): DeepSpeed's parameter groups (each of lmrepo's groups split into its
+    Muon half at optimizer.lr and its AdamW half at optimizer.adam_lr, the group's weight decay on
+    both), each matrix's update computed on the whole matrix (whole_matrix_update). One state dict
+    for both halves, as DeepSpeed keeps it."""
+
+    def __init__(self, groups: list[dict], matrices: set[int], optimizer: OptimizerConfig, adam_kwargs: dict):
+        muon_half = {"lr": optimizer.lr, "momentum": optimizer.momentum, "ns_method": str(optimizer.ns_method)}
+        adam_half = {"lr": optimizer.adam_lr, "betas": tuple(optimizer.betas), "eps": optimizer.eps}
+        halves = []
+        for group in groups:
+            for use_muon in (True, False):
+                params = [p for p in group["params"] if (id(p) in matrices) is use_muon]
+                if params:
+                    settings = {"use_muon": use_muon, "weight_decay": group["weight_decay"]}
+                    halves.append({"params": params, **settings, **(muon_half if use_muon else adam_half)})
+        super().__init__(halves, {})
+        adam_groups = [group for group in self.param_groups if not group["use_muon"]]
+        self.adam = torch.optim.AdamW(adam_groups, **adam_kwargs) if adam_groups else None
+        if self.adam is not None:
+            self.adam.param_groups, self.adam.state = adam_groups, self.state  # the same groups and states
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            for param in group["params"]:
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                state = self.state[param]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(param)
+                update = whole_matrix_update(grad, state["momentum_buffer"], group["momentum"], group["ns_method"])
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(update, alpha=-group["lr"])
+        if self.adam is not None:
+            self.adam.step()

@@ -9,6 +9,8 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 from torch.distributed.tensor import DTensor
 
 from lmrepo.config import OptimizerConfig
+from lmrepo.config.training import OptimizerName
+from lmrepo.optim.muon import ShardedMuon, compile_muon, compile_muon_update, muon_parameters
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -35,9 +37,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
-def torch_optimizer(groups: list[dict], optimizer: OptimizerConfig) -> torch.optim.Optimizer:
+def torch_optimizer(groups: list[dict], optimizer: OptimizerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """torch's Adam or AdamW over lmrepo's parameter groups, fused: one kernel for every parameter
-    (CUDA and CPU). torch's default on a GPU is a few kernels per operation over lists of
+    (CUDA and CPU); or Muon with that AdamW for its other half (lmrepo.optim.muon.ShardedMuon, the
+    roles read from `model`). torch's default on a GPU is a few kernels per operation over lists of
     parameters, on a CPU a loop over the parameters; on FSDP2's sharded parameters each of those
     operations also goes through DTensor's dispatch in Python (on a CPU, 12-layer GPT-2 at width 64:
     45% of FSDP2's step). The update is the same within float rounding.
@@ -47,6 +50,9 @@ def torch_optimizer(groups: list[dict], optimizer: OptimizerConfig) -> torch.opt
     them together: the loop over the parameters then."""
     kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}
     implementation = {"fused": True} if len(kinds) <= 1 else {"foreach": False}
+    if optimizer.name == OptimizerName.muon:
+        compile_muon_update(compile_muon(optimizer.compile))
+        return ShardedMuon(groups, muon_parameters(model), optimizer, implementation)
     return TORCH_OPTIMIZERS[optimizer.name](
         groups, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps, **implementation
     )

@@ -229,16 +229,6 @@ RULES: list[Rule] = [
         ),
     ),
     Rule(
-        ("fsdp2", "muon"),
-        lambda j: on(j, "fsdp2", "muon"),
-        lambda j: (
-            "optimizer=muon orthogonalises whole matrices and engine=fsdp2 keeps each one sharded across the "
-            f"ranks (not offered yet): choose optimizer=adamw, {FSDP_OTHER}"
-        ),
-        NotYet("gathering each sharded matrix for the orthogonalisation"),
-        pair=True,
-    ),
-    Rule(
         ("fsdp2", "deepspeed_config"),
         lambda j: on(j, "fsdp2") and _c(j).deepspeed_config is not None,
         lambda j: (
@@ -647,7 +637,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("muon", "autotp"),
-        lambda j: _is_muon(j) and j.ds.get("tensor_parallel", {}).get("autotp_size", 1) > 1,
+        lambda j: _is_muon(j) and not on(j, "fsdp2") and j.ds.get("tensor_parallel", {}).get("autotp_size", 1) > 1,
         lambda j: (
             "optimizer=muon with tp=auto would orthogonalise each rank's shard of a matrix, not the matrix: "
             f"choose tp=none, {MUON_OTHER}"
@@ -658,7 +648,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("muon", "zero"),
-        lambda j: _is_muon(j) and j.stage != 0 and bool(j.ds.get("gradient_clipping")),
+        lambda j: _is_muon(j) and not on(j, "fsdp2") and j.stage != 0 and bool(j.ds.get("gradient_clipping")),
         lambda j: (
             f"optimizer=muon with ZeRO stage {j.stage}: DeepSpeed's ZeRO clips Muon's orthogonalised update "
             "there, not the gradient, so trainer.grad_clip would not mean what it means at stage 0: "
@@ -669,7 +659,12 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("muon", "zero3"),
-        lambda j: _is_muon(j) and j.stage == 3 and j.ds["zero_optimization"].get("reduce_scatter", True),
+        lambda j: (
+            _is_muon(j)
+            and not on(j, "fsdp2")
+            and j.stage == 3
+            and j.ds["zero_optimization"].get("reduce_scatter", True)
+        ),
         lambda j: (
             "DeepSpeed's Muon under ZeRO-3 needs whole gradients (no reduce-scatter): "
             f"{j.fix('zero_optimization.reduce_scatter', 'set zero.reduce_scatter=false, or leave it null')}"
