@@ -119,7 +119,6 @@ def test_muon_section_of_the_deepspeed_dict():
     [
         (["zero=stage2"], 1, "DeepSpeed's ZeRO clips Muon's orthogonalised update there, not the gradient"),
         (["zero=stage3", "trainer.grad_clip=0", "zero.reduce_scatter=true"], 1, "needs whole gradients"),
-        (["engine=fsdp2", "trainer.grad_clip=0"], 2, "engine=fsdp2 keeps each one sharded"),
         (["pipeline=1f1b", "pipeline.stages=2"], 2, "runs on DeepSpeed's engine without a pipeline"),
         (["tp=auto", "model=llama-tiny"], 2, "each rank's shard of a matrix"),
         (["schedule=linear"], 1, "WarmupDecayLR sets one absolute learning rate"),
@@ -129,6 +128,13 @@ def test_muon_section_of_the_deepspeed_dict():
 def test_muon_refusals(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_config(["optimizer=muon", *overrides]), world, CPU)
+
+
+def test_muon_under_fsdp2_keeps_clipping_and_whole_gradients_to_deepspeed():
+    """Under FSDP2 the refusals that are DeepSpeed's own do not apply: FSDP2 clips the gradient (not
+    ZeRO's orthogonalised update), its Muon gathers each matrix whole (also one cut by tp=auto)."""
+    for overrides in (["engine=fsdp2"], ["engine=fsdp2", "tp=auto", "model=llama-tiny"]):
+        validate(compose_config(["optimizer=muon", *overrides]), 2, CPU)
 
 
 def test_muon_compiles_on_cuda_only_unless_told():
