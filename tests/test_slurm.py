@@ -19,10 +19,11 @@ pytestmark = pytest.mark.distributed
 STEPS = ["trainer.max_steps=4", "zero=stage3", "schedule=constant"]
 
 
-def test_a_sweep_on_two_nodes_trains_as_torchrun_on_one_machine(slurm_cluster, tmp_path):
+def test_a_sweep_on_two_nodes_trains_as_one_machine_does(slurm_cluster, tmp_path):
     """`-m engine=deepspeed,fsdp2` (ZeRO-3 and its FSDP2 equivalent), each job on 2 nodes x 1 rank:
     both train, every rank meeting at the first node's address (Slurm's NodeAddr: `node1` is no host
-    name), and each job's losses equal the same job started by torchrun on one machine. The partition
+    name), and each job's losses equal the same job's on one machine (its ranks
+    started directly, as the suite starts them). The partition
     has no GPUs, so none are asked for; no line per status poll."""
     sweep = tmp_path / "sweep"
     command = [
@@ -42,9 +43,9 @@ def test_a_sweep_on_two_nodes_trains_as_torchrun_on_one_machine(slurm_cluster, t
     for job, engine in enumerate(("deepspeed", "fsdp2")):
         status = json.loads((sweep / str(job) / "status.json").read_text())
         assert status["status"] == "completed" and status["setting"]["ranks"] == 2, status
-        local = run_train([*TINY, *STEPS, f"engine={engine}"], tmp_path / f"torchrun-{engine}", ranks=2, via="torchrun")
+        local = run_train([*TINY, *STEPS, f"engine={engine}"], tmp_path / f"local-{engine}", ranks=2)
         assert_ok(local)
-        assert_close(train_losses(sweep / str(job)), train_losses(tmp_path / f"torchrun-{engine}"), STEPS_FP32, engine)
+        assert_close(train_losses(sweep / str(job)), train_losses(tmp_path / f"local-{engine}"), STEPS_FP32, engine)
         assert [m["step"] for m in read_metrics(sweep / str(job)) if "loss" in m] == [1, 2, 3, 4]
 
 
@@ -155,7 +156,7 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_c
     assert "Slurm restarted this job (1 time(s))" in logs and "lmrepo: resumed from" in logs, logs[-3000:]
     assert 3 <= saved <= 400 and json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == list(range(1, 401))
-    local = run_train([*TINY, *steps], tmp_path / "uninterrupted", ranks=2, via="torchrun")
+    local = run_train([*TINY, *steps], tmp_path / "uninterrupted", ranks=2)
     assert_ok(local)
     assert_close(train_losses(run_dir), train_losses(tmp_path / "uninterrupted"), STEPS_FP32, "requeued")
     attempts = sorted((run_dir / "wandb").glob("offline-run-*/*.wandb"))  # W&B offline: a folder per attempt
@@ -192,9 +193,7 @@ def test_scancel_loses_no_checkpoint_the_job_wrote(slurm_cluster, tmp_path):
         check_files(checkpoints / tag)
     saved = int((checkpoints / "latest").read_text().strip().removeprefix("step_"))
     assert saved >= int(before[-1].removeprefix("step_"))
-    resumed = run_train(
-        [*TINY, *overrides[:-1], f"trainer.max_steps={saved + 1}", "run.resume=auto"], run_dir, ranks=2, via="torchrun"
-    )
+    resumed = run_train([*TINY, *overrides[:-1], f"trainer.max_steps={saved + 1}", "run.resume=auto"], run_dir, ranks=2)
     assert_ok(resumed)
     assert f"resumed from {checkpoints / f'step_{saved:08d}'}" in resumed.stdout
 
