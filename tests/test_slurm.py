@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness import PYTHON, REPO, TINY, assert_ok, logged_steps, read_metrics, run_train, train_losses, wait_for
@@ -25,18 +26,9 @@ def test_a_sweep_on_two_nodes_trains_as_one_machine_does(slurm_cluster, tmp_path
     name), and each job's losses equal the same job's on one machine (its ranks
     started directly, as the suite starts them). The partition
     has no GPUs, so none are asked for; no line per status poll."""
-    sweep = tmp_path / "sweep"
-    command = [
-        *(PYTHON, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "hydra.launcher.partition=debug"),
-        *("hydra.launcher.cpus_per_task=1", "launcher.ranks=1", "launcher.nodes=2", "engine=deepspeed,fsdp2"),
-        *TINY,
-        *STEPS,
-        f"hydra.sweep.dir={sweep}",
-    ]
-    env = {**os.environ, "SLURM_CONF": str(slurm_cluster)}
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert_ok(proc)
-    console = proc.stdout + proc.stderr
+    proc, run_dir, _ = start_sweep(slurm_cluster, tmp_path, ["engine=deepspeed,fsdp2", *STEPS])
+    console, sweep = proc.communicate(timeout=900)[0], run_dir.parent
+    assert proc.returncode == 0, console[-3000:]
     # the jobs' states as they change, from squeue on this cluster without accounting; nothing per poll
     assert "Bypassing sacct error" not in console and "accounting storage is disabled" not in console, console
     assert all(f"job #{job} (Slurm " in console for job in (0, 1)) and "RUNNING" in console, console
@@ -142,12 +134,17 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_c
     job = slurm_job(env)
     subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
 
-    def held() -> bool:
-        shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
-        return "Restarts=1" in shown and "JobState=PENDING" in shown
+    def shown() -> str:
+        return subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
 
-    wait_for(held, proc)
-    subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], env=env, check=True)
+    def settled(state: str) -> bool:  # requeued (REQUEUED, then held PENDING until its BeginTime) or beyond
+        return "Restarts=1" in state and any(f"JobState={s} " in state for s in ("PENDING", "RUNNING", "COMPLETED"))
+
+    deadline = time.monotonic() + 600
+    while not settled(now := shown()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if "JobState=PENDING" in now:
+        subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], env=env, check=True)
     output = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, output[-3000:]
 
@@ -204,7 +201,7 @@ def test_a_job_whose_node_dies_ends_in_one_line_naming_the_node(slurm_cluster, t
     proc, run_dir, env = start_sweep(slurm_cluster, tmp_path, ["engine=deepspeed", "trainer.max_steps=100000"])
     wait_for(lambda: logged_steps(run_dir) >= 3, proc)
     job = slurm_job(env)
-    (task,) = [pid for pid in process_ids() if task_of(pid, job) == "1"]
+    task = slurm_task(job, "1")
     os.kill(task, signal.SIGKILL)
     killed_at = time.monotonic()
     output = proc.communicate(timeout=900)[0]  # a guard against a hang, not a speed limit
@@ -215,19 +212,15 @@ def test_a_job_whose_node_dies_ends_in_one_line_naming_the_node(slurm_cluster, t
     print(f"the sweep ended {time.monotonic() - killed_at:.1f} s after node2's task was killed")
 
 
-def process_ids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def task_of(pid: int, job: str) -> str | None:
-    """SLURM_PROCID of process `pid` when it is the Python task of Slurm job `job`, else None."""
-    try:
-        environ = dict(
-            item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
-        )
-        command = Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return None
-    if environ.get("SLURM_JOB_ID") != job or "submitit" not in command:
-        return None
-    return environ.get("SLURM_PROCID")
+def slurm_task(job: str, task: str) -> int:
+    """The pid of task `task` (SLURM_PROCID) of Slurm job `job`: the submitit process Slurm started."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            environ = process.environ()
+        except psutil.Error:
+            continue
+        if environ.get("SLURM_JOB_ID") == job and environ.get("SLURM_PROCID") == task:
+            found += [process.pid] if "submitit" in " ".join(process.info["cmdline"] or []) else []
+    (pid,) = found
+    return pid

@@ -136,16 +136,16 @@ def conclude(job: Job, slurm_job: "SlurmJob") -> None:
     status = read_status(job.run_dir)
     try:
         slurm_job.results()
-        failed = status.get("status") == "failed"
+        ended = status.get("status")
     except Exception:  # submitit's UncompletedJobError and a task's exception, with Slurm's state in it
-        failed = True
-    if status.get("status") == "stopped":
+        ended = status.get("status") if status.get("status") in ("failed", "stopped") else "failed"
+    if ended == "stopped":
         job.error = (
             f"stopped at step {status.get('final', {}).get('step', 0)} by {status.get('signal', 'a signal')} "
             f"from outside the sweep (scancel, a pre-emption); continue it with run.dir={job.run_dir} run.resume=auto"
         )
-    elif failed:
-        job.error = (status.get("error") if status.get("status") == "failed" else None) or task_error(slurm_job)
+    elif ended == "failed":
+        job.error = status.get("error") or task_error(slurm_job)
         record_failure(job)
     elif job.objective is not None:
         job.value, job.error = read_objective(job.run_dir, job.objective)
@@ -155,9 +155,9 @@ def conclude(job: Job, slurm_job: "SlurmJob") -> None:
 
 def task_error(slurm_job: "SlurmJob") -> str:
     """The first task log with an `lmrepo: error:` line gives it; else Slurm's final state."""
-    state = slurm_job.watcher.get_state(slurm_job.job_id, mode="cache")
     for task in range(slurm_job.num_tasks):
         line = last_error_line(slurm_job.task(task).paths.stderr, 1)
         if not line.startswith("exit code"):
             return line
+    state = slurm_job.watcher.get_state(slurm_job.job_id, mode="cache")
     return f"Slurm job {slurm_job.job_id} ended {state} (its tasks' logs: {slurm_job.paths.folder})"
