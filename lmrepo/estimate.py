@@ -25,7 +25,7 @@ from lmrepo.models import FAMILIES, causal_loss, hf_config, meta_model, pipe, tr
 
 def active_block_params(model_cfg) -> float | None:
     """The block parameters one token passes through (2 FLOPs each forward), for FLOPs and MFU:
-    a mixture of experts' top_k experts, router and attention; a Llama's matrices as built
+    a mixture of experts' top_k experts, shared experts, router and attention; a Llama's matrices as built
     (grouped-query attention's narrower key/value projections, SwiGLU's three MLP matrices),
     counted on the meta model; None where GPT's 12*l*h^2 is exact (GPT-2, BERT)."""
     if model_cfg.family == "llama":
@@ -39,9 +39,8 @@ def active_block_params(model_cfg) -> float | None:
     expert = 3 * h * model_cfg.n_inner
     from lmrepo.models.mixtral import is_moe_block
 
-    mlp = sum(
-        moe.top_k * expert + h * moe.experts if is_moe_block(i, moe.every) else expert for i in range(shape["n_layer"])
-    )
+    routed = (moe.top_k + moe.shared_experts) * expert + h * moe.experts  # the shared MLP is shared_experts wide
+    mlp = sum(routed if is_moe_block(i, moe.every) else expert for i in range(shape["n_layer"]))
     return shape["n_layer"] * attention + mlp
 
 

@@ -13,8 +13,9 @@ technique claims:
   (the step before any update).
 - bf16: the same training in another precision: against the fp32 run of the same pair, within
   the gap bf16 rounding makes (BF16 below).
-- moe (expert parallelism) and document masking change the model or the loss: never dropped;
-  moe + document masking compares expert_parallel.size=2 with 1 (expert parallelism claims
+- moe (expert parallelism), DeepSeek's routing (deepseek_moe: the aux-free router bias and a
+  shared expert, with expert parallelism too) and document masking change the model or the loss:
+  never dropped; moe + document masking compares expert_parallel.size=2 with 1 (expert parallelism claims
   equality). engine=fsdp2 runs the experts without expert parallelism (each sharded over the
   data-parallel ranks): moe + fsdp2 is FSDP2 with expert_parallel.size=1 against DeepSpeed's
   ZeRO-1 with 2.
@@ -96,6 +97,17 @@ OVERRIDES = {
     "autotp": ["tp=auto", "tp.size=2"],
     "sequence_parallel": ["sequence_parallel.size=2"],
     "moe": ["model=mixtral-tiny", "model.moe.experts=4", "expert_parallel.size=2", "zero=stage1"],
+    # DeepSeek-V3's routing: the router bias moved 0.01 a step (TINY's router probabilities differ by
+    # ~1e-3: the bias routes the second step otherwise), one shared expert
+    "deepseek_moe": [
+        "model=mixtral-tiny",
+        "model.moe.experts=4",
+        "model.moe.balance=aux_free",
+        "model.moe.bias_update_rate=0.01",
+        "model.moe.shared_experts=1",
+        "expert_parallel.size=2",
+        "zero=stage1",
+    ],
     # Muon's two halves have their own rates, which DeepSpeed's WarmupLR would overwrite: wsd without decay is constant
     "muon": ["optimizer=muon", "schedule=wsd", "schedule.decay_fraction=0"],
     "tiled_loss": ["trainer.loss_tiles=2"],
@@ -106,7 +118,7 @@ OVERRIDES = {
 }
 # The backend a pair with compile runs with, by the other technique (the module docstring says why).
 COMPILE_BACKEND = {
-    **dict.fromkeys(("fsdp2", "zero3", "offload", "autotp", "sequence_parallel", "moe"), "aot_eager"),
+    **dict.fromkeys(("fsdp2", "zero3", "offload", "autotp", "sequence_parallel", "moe", "deepseek_moe"), "aot_eager"),
     **dict.fromkeys(
         ("muon", "tiled_loss", "document_masking", "activation_checkpointing"), "aot_eager_decomp_partition"
     ),
@@ -147,11 +159,12 @@ def overrides(*axes: str) -> list[str]:
         words.append(f"zero=stage{stage}")
     if "muon" in axes and stages and max(stages) > 0 and "fsdp2" not in axes:
         words.append("trainer.grad_clip=0")
-    if "moe" in axes and "fsdp2" in axes:  # FSDP2 shards each expert over its ranks: no expert parallelism
+    moe = bool({"moe", "deepseek_moe"} & set(axes))
+    if moe and "fsdp2" in axes:  # FSDP2 shards each expert over its ranks: no expert parallelism
         words = [w.replace("expert_parallel.size=2", "expert_parallel.size=1") for w in words]
     if compile_backend(*axes) not in (None, "inductor"):  # inductor is trainer.compile_backend's default
         words.append(f"trainer.compile_backend={compile_backend(*axes)}")
-    if "moe" in axes:  # the Mixtral of the base's shape: model=... resets the preset's sizes
+    if moe:  # the Mixtral of the base's shape: model=... resets the preset's sizes
         words = [w for w in words if w != "model=mixtral-tiny"]
         return ["model=mixtral-tiny", *[w for w in BASE if w != "model=llama-tiny"], *words]
     return [*BASE, *words]
@@ -176,7 +189,7 @@ def reference(a: str, b: str) -> tuple[list[str], str]:
     for dropped, kept in ((a, b), (b, a)):
         if dropped == "bf16":
             return overrides(kept), "bf16"
-    # moe + document masking: expert parallelism over 2 ranks against 1
+    # moe (or DeepSeek's routing) + document masking: expert parallelism over 2 ranks against 1
     return [*overrides(a, b), "expert_parallel.size=1"], "ep"
 
 

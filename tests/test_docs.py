@@ -196,7 +196,7 @@ def test_checkpoints_page_run_export_and_generation(tmp_path):
 def test_moe_page_run_and_export(tmp_path):
     """moe.md's first command trains with checkpoints, so its export line works as typed."""
     sizes = [*TINY, "model.n_kv_head=2", "model.n_inner=96", "model.moe.experts=4"]
-    run = line("moe.md", "python train.py model=mixtral-tiny")
+    run = line("moe.md", "python train.py model=mixtral-tiny zero=stage2")
     proc = subprocess.run(shrunk(run, sizes), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert_ok(proc)
     export = line("moe.md", "python scripts/export_hf.py")

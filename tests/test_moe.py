@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from harness import FORKED_PYTHON, PYTHON, REPO, TINY, assert_ok, kill_9_after_a_save, read_metrics, run_train
+from lmrepo.export import consolidate
+from lmrepo.models.mixtral import to_transformers_mixtral
 from lmrepo.plan.compose import compose_config
+from lmrepo.utils.errors import ConfigError
 from numerics import STEPS_FP32, VOCAB, assert_close, reordered_sum
 
 pytestmark = pytest.mark.distributed
@@ -23,6 +26,14 @@ EP2 = (*MOE, "zero=stage2", "expert_parallel.size=2")
 # engine=fsdp2 on a tensor-parallel pair of ranks: the experts whole on each, attention split
 FSDP2_TP = (*MOE, "engine=fsdp2", "zero=stage3", "tp=auto", "tp.size=2")
 DROPPING = ("model.moe.drop_tokens=true", "model.moe.capacity_factor=0.5", "schedule=constant")
+# DeepSeek-V3's routing: the router bias moved 0.01 a step (the router's probabilities at TINY's
+# initialisation differ by ~1e-3, so the bias picks other experts from the second step on), one
+# shared expert.
+AUX_FREE = ("model.moe.balance=aux_free", "model.moe.bias_update_rate=0.01", "model.moe.shared_experts=1")
+AUX_FREE_LAYOUTS = {
+    "deepspeed-expert-parallel": (*EP2, *AUX_FREE),
+    "fsdp2": (*MOE, *AUX_FREE, "engine=fsdp2", "zero=stage3"),
+}
 
 
 def train_lines(run_dir) -> list[dict]:
@@ -176,6 +187,123 @@ def test_activation_checkpointing_keeps_the_load_balancing_gradient(tmp_path):
             assert_close(a["router_grads"], b["router_grads"], tolerance, f"{where} router gradients")
             for key in ("loss", "grad_norm", "aux_loss"):
                 assert_close(a[key], b[key], tolerance, f"{where} {key}")
+
+
+def tiny_moe(*overrides: str):
+    """A one-process TINY Mixtral (4 experts of width 96) built by lmrepo, in training mode."""
+    from lmrepo.config import load
+    from lmrepo.models import build_model
+
+    torch.manual_seed(0)
+    words = ["model=mixtral-tiny", *TINY[:4], *MOE[1:4], *TINY[-2:], *overrides]
+    model = build_model(load(compose_config(words)).model)
+    return model.train()
+
+
+@pytest.mark.parametrize("top_k, drop", [(1, False), (2, False), (3, False), (1, True), (2, True)])
+def test_the_aux_free_gate_with_a_zero_bias_is_deepspeeds_gate(top_k, drop):
+    """The aux-free gate picks the routes from the biased scores through DeepSpeed's own top-1,
+    top-2 and top-k gating: with a zero bias (and the same load-balancing weight) its loss, router
+    gradient and dropped routes are DeepSpeed's gate's, for every k, with and without dropping
+    (at top_k > 2 with dropping, DeepSpeed's capacity keeps the routes of the highest
+    probabilities, the aux-free gate's those of the highest biased scores: not compared). The
+    router's gradient is a sum over the same terms in another order for k = 3 (the renormalising
+    sum over the kept routes): within fp32 rounding of a few terms."""
+    from lmrepo.models.mixtral import balance_experts
+
+    words = [f"model.moe.top_k={top_k}", f"model.moe.drop_tokens={str(drop).lower()}", "model.moe.capacity_factor=0.5"]
+    plain, aux_free = tiny_moe(*words), tiny_moe(*words, "model.moe.balance=aux_free", "model.moe.aux_loss_coef=0.01")
+    ids = torch.randint(0, 257, (4, 32), generator=torch.Generator().manual_seed(1))
+    losses = [model(input_ids=ids, labels=ids).loss for model in (plain, aux_free)]
+    for loss in losses:
+        loss.backward()
+    assert losses[0].item() == losses[1].item()
+    routers = [[layer.mlp.moe.deepspeed_moe.gate.wg.weight.grad for layer in m.model.layers] for m in (plain, aux_free)]
+    for a, b in zip(*routers):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
+    dropped = [[int(layer.mlp.dropped) for layer in m.model.layers] for m in (plain, aux_free)]
+    assert dropped[0] == dropped[1] and (sum(dropped[0]) > 0) == drop
+
+    # the bias picks the experts: a step's update moves each expert's bias by the rate, towards
+    # the mean load, and the next forward routes otherwise; the weights stay the softmax's
+    layers = aux_free.moe_layers()
+    loads = [mlp.step_load.clone() for mlp in layers]
+    assert all(int(load.sum()) == 4 * 32 * top_k for load in loads)
+    balance_experts(aux_free)
+    for mlp, load in zip(layers, loads):
+        bias = mlp.moe.deepspeed_moe.gate.route_bias
+        expected = 0.001 * torch.sign(load.double().mean() - load.double()).float()
+        assert torch.equal(bias, expected) and int(mlp.step_load.sum()) == 0
+    before = [mlp.routes.clone() for mlp in layers]
+    aux_free(input_ids=ids, labels=ids)
+    assert any(not torch.equal(a, mlp.routes) for a, mlp in zip(before, layers))
+    # an engine's bf16 leaves the bias in fp32 (0.001 steps are below bf16's resolution at 0.1)
+    assert aux_free.bfloat16().moe_layers()[0].moe.deepspeed_moe.gate.route_bias.dtype == torch.float32
+
+
+def test_shared_experts_pass_every_token_and_count_as_active():
+    """model.moe.shared_experts=2: one SwiGLU MLP of twice an expert's width beside the routed
+    experts in every MoE block, added to their output (the block's output changes with its
+    weights), and counted among the parameters a token passes through."""
+    from lmrepo.config import load
+    from lmrepo.estimate import active_block_params
+
+    model = tiny_moe("model.moe.shared_experts=2")
+    shared = model.model.layers[0].mlp.shared
+    assert shared.gate_proj.weight.shape == (2 * 96, 64)
+    assert 0.01 < shared.gate_proj.weight.std().item() < 0.03  # the initializer's 0.02, not nn.Linear's
+    hidden = torch.randn(2, 8, 64)
+    mlp = model.model.layers[0].mlp
+    out = mlp(hidden)
+    with torch.no_grad():
+        shared.down_proj.weight.zero_()
+    assert not torch.allclose(out, mlp(hidden))
+    cfg = lambda *w: load(compose_config(["model=mixtral-tiny", *w])).model  # noqa: E731
+    h, width = cfg().n_embd, cfg().n_inner
+    extra = active_block_params(cfg("model.moe.shared_experts=2")) - active_block_params(cfg())
+    assert extra == cfg().n_layer * 2 * 3 * h * width
+
+
+@pytest.fixture(scope="module")
+def one_rank_aux_free(tmp_path_factory):
+    """The aux-free run on one process: the same global batch of 8 sequences as 2 ranks of 4, in
+    2 micro batches (the bias update sums the load over both)."""
+    run_dir = tmp_path_factory.mktemp("aux_free_one_rank")
+    assert_ok(run_train([*TINY, *MOE, *AUX_FREE, "zero=stage2", "trainer.grad_accum=2"], run_dir))
+    return run_dir
+
+
+@pytest.mark.parametrize("layout", AUX_FREE_LAYOUTS.values(), ids=AUX_FREE_LAYOUTS.keys())
+def test_aux_free_routing_with_shared_experts_on_2_ranks_equals_1_and_resumes(
+    launch2, one_rank_aux_free, tmp_path, layout
+):
+    """model.moe.balance=aux_free with a shared expert, on 2 ranks (DeepSpeed with the experts
+    split over them; FSDP2 sharding each) against one process of the same global batch: the same
+    losses and gradient norms for 10 steps. The bias moves from each step's load over every rank
+    (a load summed on each rank alone moved step 3's gradient norm by 1.3e-3). It balances: the
+    busiest expert's load over the mean, steps 6-10, below the unbiased router's (a bias moved the
+    wrong way unbalances). The bias is in the checkpoint: a run resumed from step 3 continues the
+    run (a bias left out of the checkpoint failed it)."""
+    split, one = train_lines(launch2(*layout)), train_lines(one_rank_aux_free)
+    for key in ("loss", "grad_norm"):
+        assert_close([m[key] for m in split], [m[key] for m in one], STEPS_FP32, key)
+    unbiased = train_lines(launch2(*layout, "model.moe.bias_update_rate=0"))
+    assert abs(unbiased[1]["loss"] - split[1]["loss"]) > 1e-4  # the bias routes the second step otherwise
+    load = lambda lines: sum(m["expert_load_max"] for m in lines[5:]) / 5  # noqa: E731
+    assert load(split) < load(unbiased) - 0.05, (load(split), load(unbiased))
+
+    checkpoint = launch2(*layout) / "checkpoints" / "step_00000003"
+    # the checkpoint holds the bias (scripts/evaluate.py's model has it) and has no Mixtral form
+    whole = consolidate(str(checkpoint)).model
+    assert all(mlp.moe.deepspeed_moe.gate.route_bias.abs().sum() > 0 for mlp in whole.moe_layers())
+    with pytest.raises(ConfigError, match="no router bias and no shared experts"):
+        to_transformers_mixtral(whole)
+    resumed = run_train([*TINY, *layout, f"run.resume={checkpoint}"], tmp_path / "resumed", ranks=2)
+    assert_ok(resumed)
+    after = [m for m in train_lines(tmp_path / "resumed") if m["step"] > 3]
+    assert [m["step"] for m in after] == list(range(4, 11))
+    for key in ("loss", "grad_norm"):
+        assert_close([m[key] for m in after], [m[key] for m in split[3:]], STEPS_FP32, f"resumed {key}")
 
 
 def test_flops_and_mfu_count_the_active_experts():

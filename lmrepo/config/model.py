@@ -19,6 +19,19 @@ class Family(StrEnum):
     mixtral = "mixtral"
 
 
+class Balance(StrEnum):
+    aux_loss = "aux_loss"
+    aux_free = "aux_free"
+
+
+def aux_loss_weight(moe) -> float:
+    """The load-balancing loss's weight (of a MoEConfig, or its node in a composed config):
+    aux_loss_coef, or by default 0.01 with balance=aux_loss and 0 with aux_free."""
+    if moe.aux_loss_coef is not None:
+        return moe.aux_loss_coef
+    return 0.0 if str(moe.balance) == Balance.aux_free else 0.01
+
+
 @dataclass
 class MoEConfig:
     """mixtral: the mixture-of-experts MLP (DeepSpeed-MoE, deepspeed.moe.layer.MoE, of SwiGLU experts)."""
@@ -35,8 +48,18 @@ class MoEConfig:
     """with drop_tokens: an expert takes capacity_factor x top_k x tokens / experts tokens per batch"""
     min_capacity: int = 4
     """with drop_tokens: an expert takes at least this many tokens per batch"""
-    aux_loss_coef: float = 0.01
-    """weight of the load-balancing loss (Switch/GShard) added to the loss that is optimised"""
+    balance: Balance = Balance.aux_loss
+    """how the experts' load is balanced: aux_loss (a load-balancing loss term, Switch/GShard) | aux_free
+    (DeepSeek-V3: a per-expert bias on the router's scores that picks the experts, not their weights,
+    raised for the underloaded and lowered for the overloaded experts after every step)"""
+    bias_update_rate: float = 0.001
+    """with balance=aux_free: how far each step moves an expert's bias (DeepSeek-V3's gamma)"""
+    aux_loss_coef: Optional[float] = None
+    """weight of the load-balancing loss (Switch/GShard) added to the loss that is optimised; null = 0.01
+    with balance=aux_loss, 0 with aux_free (DeepSeek-V3 keeps a tiny one: 0.0001)"""
+    shared_experts: int = 0
+    """experts every token passes through beside its routed ones (DeepSeek-MoE): one SwiGLU MLP
+    shared_experts x n_inner wide, added to the routed experts' output"""
 
     def check(self) -> None:
         require(self.experts >= 2, f"model.moe.experts={self.experts} must be >= 2")
@@ -47,7 +70,9 @@ class MoEConfig:
         require(self.every >= 1, f"model.moe.every={self.every} must be >= 1")
         require(self.capacity_factor > 0, f"model.moe.capacity_factor={self.capacity_factor} must be > 0")
         require(self.min_capacity >= 0, f"model.moe.min_capacity={self.min_capacity} must be >= 0")
-        require(self.aux_loss_coef >= 0, f"model.moe.aux_loss_coef={self.aux_loss_coef} must be >= 0")
+        require(aux_loss_weight(self) >= 0, f"model.moe.aux_loss_coef={self.aux_loss_coef} must be >= 0")
+        require(self.bias_update_rate >= 0, f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
+        require(self.shared_experts >= 0, f"model.moe.shared_experts={self.shared_experts} must be >= 0")
 
 
 @dataclass

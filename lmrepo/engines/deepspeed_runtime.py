@@ -14,7 +14,7 @@ from deepspeed.runtime.utils import clip_grad_norm_
 from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.distributed.sequence_parallel import Slicer
 from lmrepo.engines.base import to_device
-from lmrepo.models.mixtral import moe_record
+from lmrepo.models.mixtral import balance_experts, moe_record
 from lmrepo.optim.muon import compile_muon_update, muon_roles
 from lmrepo.optim.optimizer import param_groups
 from lmrepo.optim.schedules import client_scheduler
@@ -110,6 +110,7 @@ class DeepSpeedEngine:
             losses.append(self._whole(loss).float())
         if not self._norm_before_step():
             self.last_grad_norm = None if self.norm_is_the_update else self.ds.get_global_grad_norm()
+        balance_experts(self.module)  # model.moe.balance=aux_free: the router biases
         return torch.stack(losses).mean()
 
     def _norm_before_step(self) -> bool:

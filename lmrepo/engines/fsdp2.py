@@ -58,7 +58,7 @@ from lmrepo.engines.layer_files import (
 )
 from lmrepo.engines.recompute import enable_activation_checkpointing
 from lmrepo.models import build_model, causal_loss, pipe, transformer_blocks
-from lmrepo.models.mixtral import moe_record
+from lmrepo.models.mixtral import balance_experts, moe_record
 from lmrepo.optim.optimizer import param_groups, torch_optimizer
 from lmrepo.optim.schedules import build_scheduler
 from lmrepo.utils import safe_load
@@ -145,6 +145,7 @@ class FSDP2Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
+        balance_experts(self.module, self.data_group)  # model.moe.balance=aux_free: the router biases
         self.global_steps += 1
         return torch.stack(losses).mean().to(self.device)
 

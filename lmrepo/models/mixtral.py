@@ -7,8 +7,13 @@ DeepSpeed's MoE builds every local expert as a copy of one module; here each exp
 initial weights, drawn from a generator seeded by (seed, layer, global expert index), so the model
 is the same function whatever `expert_parallel.size` splits it. The loss that is optimised is
 the language-model loss plus `aux_loss_coef` x the sum of the MoE layers' load-balancing losses;
-in eval mode the loss is the language-model loss alone (comparable with a dense model's)."""
+in eval mode the loss is the language-model loss alone (comparable with a dense model's).
 
+DeepSeek-V3's routing is two keys on top: `balance=aux_free` (a per-expert bias on the router's
+scores picks the experts; the engines move it after each step from the load the step saw) and
+`shared_experts=N` (an MLP every token passes through beside its routed experts)."""
+
+import copy
 import os
 
 import torch
@@ -17,6 +22,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
+from lmrepo.config.model import aux_loss_weight
 from lmrepo.models import llama
 
 LOSS_TYPE = "ForCausalLM"
@@ -32,7 +38,10 @@ def hf_config(model) -> LlamaConfig:
         "drop_tokens": model.moe.drop_tokens,
         "capacity_factor": model.moe.capacity_factor,
         "min_capacity": model.moe.min_capacity,
-        "aux_loss_coef": model.moe.aux_loss_coef,
+        "aux_loss_coef": aux_loss_weight(model.moe),
+        "balance": str(model.moe.balance),
+        "bias_update_rate": model.moe.bias_update_rate,
+        "shared_experts": model.moe.shared_experts,
         "expert_parallel_size": 1,  # build_model sets the run's
     }
     return config
@@ -47,9 +56,70 @@ def is_moe_block(index: int, every: int) -> bool:
     return (index + 1) % every == 0
 
 
+def _aux_free_gate_class():
+    # deepspeed is imported on first use (see MoEMLP)
+    from deepspeed.moe.sharded_moe import TopKGate, top1gating, top2gating, topkgating
+
+    class AuxFreeGate(TopKGate):
+        """DeepSpeed's top-k gate with DeepSeek-V3's auxiliary-loss-free balancing: the experts a
+        token goes to are the top k of softmax(logits) + route_bias, their weights those of the
+        softmax alone (renormalised over the kept routes for k >= 2, as DeepSpeed's top-2 and
+        top-k gates do; the probability itself for k = 1, as its top-1 gate does). The bias
+        carries no gradient; `balance_experts` moves it after each step. DeepSpeed's own gating
+        picks the routes from the biased scores (softmax keeps each token's order of them), so
+        with a zero bias this is DeepSpeed's gate, its capacity and dropping included, except at
+        top_k > 2 with drop_tokens=true: there an expert's capacity keeps the routes of the
+        highest biased scores (DeepSpeed's top-k gate: of the highest probabilities)."""
+
+        route_bias: torch.Tensor
+
+        def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):
+            assert sparse_routes, "DeepSpeed's MOELayer asks its gate for sparse routes"
+            logits = nn.functional.linear(input.float(), weight=self.wg.weight.float())
+            probs = logits.softmax(dim=1)
+            scores = (probs + self.route_bias).detach()
+            capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
+            drop, cap = self.drop_tokens, self.min_capacity
+            if self.k == 1:
+                routes = top1gating(scores, capacity_factor, cap, used_token, None, drop, self.use_rts,
+                                    self.ep_group, True, use_tutel)  # fmt: skip
+            elif self.k == 2:
+                routes = top2gating(scores, capacity_factor, cap, drop, self.ep_group, False, True)
+            else:
+                routes = topkgating(scores, self.k, capacity_factor, cap, drop, self.ep_group, sparse_routes=True)
+            _, capacity, experts, indices, locations, _, counts = routes
+            kept = indices >= 0  # [k, tokens]; a route past its expert's capacity is -1
+            weights = probs.t().gather(0, indices.long().clamp(min=0)) * kept
+            if self.k > 1:
+                weights = weights / weights.sum(0, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
+            return self.balance_loss(probs, scores, counts), capacity, experts, indices, locations, weights, counts
+
+        def balance_loss(self, probs, scores, counts) -> torch.Tensor:
+            """DeepSpeed's load-balancing loss of these routes: experts x sum(mean probability x
+            fraction of the first choices) for k <= 2, of all routes / k for k > 2."""
+            experts = probs.shape[1]
+            if self.k <= 2:
+                chosen = nn.functional.one_hot(scores.argmax(dim=1), experts).float().mean(0)
+            else:
+                chosen = counts.float() / probs.shape[0] / self.k
+            return (probs.mean(0) * chosen).sum() * experts
+
+        def _apply(self, fn, recurse=True):
+            # an engine's bf16 casts a module's buffers with its parameters; the bias moves by
+            # bias_update_rate a step, finer than bf16 resolves at its size: it stays fp32
+            bias = self.route_bias
+            super()._apply(fn, recurse)
+            self.route_bias = bias.to(self.route_bias.device)
+            return self
+
+    return AuxFreeGate
+
+
 class MoEMLP(nn.Module):
-    """One block's MLP as a DeepSpeed-MoE layer. The last training forward's load-balancing loss,
-    routes per expert and dropped routes are kept for the metrics line."""
+    """One block's MLP as a DeepSpeed-MoE layer (and, with shared experts, a SwiGLU MLP beside
+    it). The last training forward's load-balancing loss, routes per expert and dropped routes
+    are kept for the metrics line; with balance=aux_free the routes of every training forward
+    since the last step are summed in `step_load`."""
 
     def __init__(self, config: LlamaConfig, layer_index: int):
         # imported here: deepspeed's import announces its accelerator on stdout, which the
@@ -74,9 +144,23 @@ class MoEMLP(nn.Module):
             use_rts=False,
             top2_2nd_expert_sampling=False,
         )
+        gate = self.moe.deepspeed_moe.gate
+        self.aux_free = moe["balance"] == "aux_free"
+        if self.aux_free:
+            gate.__class__ = _aux_free_gate_class()  # the same gate and router weights, routing by biased scores
+            gate.register_buffer("route_bias", torch.zeros(moe["experts"]))  # no "expert" in the name: see below
+        # routes per expert since the last step; int64 (counts; no engine casts it to bf16)
+        self.register_buffer("step_load", torch.zeros(moe["experts"], dtype=torch.int64), persistent=False)
+        # Shared experts: not a sub-module of self.moe, whose keys with "expert" in them DeepSpeed
+        # saves in the per-expert files only.
+        self.shared = None
+        if moe["shared_experts"]:
+            shared = copy.copy(config)
+            shared.intermediate_size = moe["shared_experts"] * config.intermediate_size
+            self.shared = LlamaMLP(shared)
         self._init_weights(config, layer_index, ep_size)
         self.aux_loss = self.routes = self.dropped = None
-        self.moe.deepspeed_moe.gate.register_forward_hook(self._count_dropped)
+        gate.register_forward_hook(self._count_dropped)
 
     @torch.no_grad()
     def _init_weights(self, config: LlamaConfig, layer_index: int, ep_size: int) -> None:
@@ -94,6 +178,9 @@ class MoEMLP(nn.Module):
             for param in expert.parameters():
                 if not param.is_meta:  # estimate.py's shapes-only model has nothing to draw
                     param.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
+        if self.shared is not None:  # from the global generator, as the router: every rank holds it whole
+            for param in self.shared.parameters():
+                param.normal_(0.0, std)
 
     def _count_dropped(self, gate, inputs, output) -> None:
         # MOELayer asks its gate for sparse routes: (l_aux, capacity, experts, indices, ...); a
@@ -105,6 +192,12 @@ class MoEMLP(nn.Module):
         out, aux_loss, routes = self.moe(hidden)
         if self.training:
             self.aux_loss, self.routes = aux_loss, routes
+            if self.aux_free:
+                # a checkpointed block counts its recompute too: twice each route of the layer,
+                # which moves no expert's bias the other way (the update reads the sign only)
+                self.step_load.add_(routes.to(self.step_load.device))
+        if self.shared is not None:
+            out = out + self.shared(hidden)
         return out
 
 
@@ -146,6 +239,7 @@ class MixtralStyleForCausalLM(LlamaForCausalLM):
                 layer.mlp = MoEMLP(config, index)
                 layer.__class__ = MoEDecoderLayer  # the same block and weights, checkpointed as an MoE block
         self.aux_loss_coef = config.moe["aux_loss_coef"]
+        self.bias_update_rate = config.moe["bias_update_rate"]
         self.last_aux_loss = None
 
     def moe_layers(self) -> list[MoEMLP]:
@@ -171,27 +265,49 @@ class MixtralStyleForCausalLM(LlamaForCausalLM):
 MODEL_CLASS = MixtralStyleForCausalLM
 
 
+@torch.no_grad()
+def balance_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """balance=aux_free, after each optimizer step (a collective over the ranks of `group`, default
+    every rank): each MoE layer's routes per expert over the step's micro batches and ranks, and
+    DeepSeek-V3's update of the router bias: + bias_update_rate for an expert below the mean load,
+    - for one above. Every rank computes the same bias from the same sums. Nothing otherwise."""
+    if not isinstance(model, MixtralStyleForCausalLM):
+        return
+    layers = [mlp for mlp in model.moe_layers() if mlp.aux_free]
+    if not layers:
+        return
+    loads = torch.stack([mlp.step_load for mlp in layers])
+    if dist.is_initialized():
+        loads = loads.to(model.last_aux_loss.device)  # the backend's device (NCCL reduces CUDA tensors only)
+        dist.all_reduce(loads, group=group)
+    for mlp, load in zip(layers, loads.double()):
+        bias = mlp.moe.deepspeed_moe.gate.route_bias
+        bias += model.bias_update_rate * torch.sign(load.mean() - load).to(bias)
+        mlp.step_load.zero_()
+
+
 def moe_record(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict:
     """The metrics-line figures of the last training forward, over the ranks of `group` (default:
     every rank; a collective: each of them calls it): the load-balancing term added to the loss,
-    routes per expert summed over the MoE layers, the busiest expert's load over the mean (1 =
-    balanced), and with token dropping the fraction of routes dropped. {} for a dense model."""
+    routes per expert summed over the MoE layers, the busiest expert's load over the mean in the
+    least balanced layer (1 = balanced), and with token dropping the fraction of routes dropped.
+    {} for a dense model."""
     if not isinstance(model, MixtralStyleForCausalLM) or model.last_aux_loss is None:
         return {}
     layers = model.moe_layers()
-    routes = torch.stack([mlp.routes for mlp in layers]).sum(0).double()
-    dropped = torch.stack([mlp.dropped for mlp in layers]).sum().double()
     device = model.last_aux_loss.device  # the backend's device (NCCL reduces CUDA tensors only)
-    packed = torch.cat([model.last_aux_loss.double().reshape(1), dropped.reshape(1).to(device), routes.to(device)])
+    routes = torch.stack([mlp.routes for mlp in layers]).double().to(device)  # [layers, experts]
+    dropped = torch.stack([mlp.dropped for mlp in layers]).sum().double().to(device)
+    packed = torch.cat([model.last_aux_loss.double().reshape(1), dropped.reshape(1), routes.flatten()])
     world = 1
     if dist.is_initialized():
         world = dist.get_world_size(group)
         dist.all_reduce(packed, group=group)
-    aux, dropped, routes = packed[0] / world, packed[1], packed[2:]
+    aux, dropped, routes = packed[0] / world, packed[1], packed[2:].view(len(layers), -1)
     record = {
         "aux_loss": aux.item(),
-        "expert_tokens": [int(n) for n in routes.tolist()],
-        "expert_load_max": (routes.max() / routes.mean()).item(),
+        "expert_tokens": [int(n) for n in routes.sum(0).tolist()],
+        "expert_load_max": (routes.max(1).values / routes.mean(1)).max().item(),
     }
     if layers[0].moe.deepspeed_moe.gate.drop_tokens:
         record["dropped_frac"] = (dropped / routes.sum()).item()
@@ -209,6 +325,12 @@ def to_transformers_mixtral(model: MixtralStyleForCausalLM):
     from lmrepo.utils.errors import ConfigError
 
     config, moe = model.config, model.config.moe
+    if moe["balance"] == "aux_free" or moe["shared_experts"]:
+        raise ConfigError(
+            "transformers' Mixtral has no router bias and no shared experts: this run's "
+            f"model.moe.balance={moe['balance']}, model.moe.shared_experts={moe['shared_experts']} has no Mixtral "
+            "form; scripts/evaluate.py still evaluates it (in memory)"
+        )
     if moe["every"] != 1 or moe["top_k"] < 2:
         raise ConfigError(
             f"transformers' Mixtral has an MoE MLP in every block and renormalises its top-k weights: this run's "

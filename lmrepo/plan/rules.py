@@ -47,6 +47,11 @@ AXES: dict[str, Axis] = {
         "sequence parallel", lambda c: c.sequence_parallel.size > 1, ("sequence_parallel.size=2",)
     ),
     "moe": Axis("MoE / expert parallel", lambda c: c.model.family == "mixtral", ("model=mixtral-tiny",)),
+    "deepseek_moe": Axis(
+        "DeepSeek routing (aux-free bias, shared experts)",
+        lambda c: c.model.family == "mixtral" and (c.model.moe.balance == "aux_free" or c.model.moe.shared_experts > 0),
+        ("model=mixtral-tiny", "model.moe.balance=aux_free", "model.moe.shared_experts=1"),
+    ),
     "muon": Axis("Muon", lambda c: str(c.optimizer.name) == "muon", ("optimizer=muon",)),
     "tiled_loss": Axis("tiled loss", lambda c: c.trainer.loss_tiles > 1, ("trainer.loss_tiles=2",)),
     "document_masking": Axis(
@@ -58,8 +63,12 @@ AXES: dict[str, Axis] = {
     ),
     "bf16": Axis("bf16", lambda c: str(c.precision.dtype) == "bf16", ("precision=bf16",)),
 }
-# Pairs that are one choice, not two techniques: a job has one pipeline engine.
-EXCLUSIVE = {frozenset(("ds_pipeline", "torch_pipeline"))}
+# Pairs that are one choice, not two techniques: a job has one pipeline engine; DeepSeek's routing
+# is a way to route a mixture of experts.
+EXCLUSIVE = {frozenset(("ds_pipeline", "torch_pipeline")), frozenset(("moe", "deepseek_moe"))}
+# An axis that is a kind of another: the other's rows refuse it too (a DeepSeek-routed job is a
+# mixture of experts: every row about "moe" reads it as one).
+KIND_OF = {"deepseek_moe": "moe"}
 
 
 # --- the reasons -----------------------------------------------------------------------------------
@@ -747,8 +756,14 @@ def check(job: Job) -> None:
 
 
 def pair_rules() -> dict[frozenset, Rule]:
-    """The rows that refuse a whole pair of axes, by pair."""
-    return {frozenset(rule.techniques): rule for rule in RULES if rule.pair}
+    """The rows that refuse a whole pair of axes, by pair; a row about an axis refuses its kinds
+    (KIND_OF) with the same other axis."""
+    rows = {frozenset(rule.techniques): rule for rule in RULES if rule.pair}
+    for kind, axis in KIND_OF.items():
+        for pair, rule in list(rows.items()):
+            if axis in pair and kind not in pair:
+                rows.setdefault(frozenset((kind, *(pair - {axis}))), rule)
+    return rows
 
 
 def load_checked(cfg: DictConfig) -> TrainConfig:
