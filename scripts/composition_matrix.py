@@ -82,6 +82,8 @@ def page() -> str:
             note = COMPARED[kind].format(dropped=AXES[dropped].label if dropped else "")
             if composition.compile_backend(a, b):
                 note += f" (compiled with the {composition.compile_backend(a, b)} backend)"
+            if composition.routed(a, b):
+                note += " (under engine=fsdp2: DeepSpeed's engine refuses the pair, see the rules below)"
             lines.append(f"| {AXES[a].label} + {AXES[b].label} | {note} |")
     lines += [
         "",

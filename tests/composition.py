@@ -124,6 +124,9 @@ COMPILE_BACKEND = {
     ),
     "bf16": "inductor",
 }
+# Pairs that run under engine=fsdp2 only (a row of the rules table refuses them on DeepSpeed's
+# engine, and says why): the pair and its reference run with FSDP2 as a third technique.
+UNDER_FSDP2 = {frozenset(("autotp", "muon")), frozenset(("moe", "muon")), frozenset(("deepseek_moe", "muon"))}
 EQUAL = {
     "fsdp2",
     "zero3",
@@ -170,6 +173,16 @@ def overrides(*axes: str) -> list[str]:
     return [*BASE, *words]
 
 
+def routed(a: str, b: str) -> tuple[str, ...]:
+    """The technique a pair runs under besides its own two: ("fsdp2",) for UNDER_FSDP2, else none."""
+    return ("fsdp2",) if frozenset((a, b)) in UNDER_FSDP2 else ()
+
+
+def pair_overrides(a: str, b: str) -> list[str]:
+    """The pair's job: its two techniques on (under engine=fsdp2 where the pair runs only there)."""
+    return overrides(a, b, *routed(a, b))
+
+
 def dropped_axis(a: str, b: str) -> str | None:
     """The technique the reference run leaves out, when the pair is compared for equality: compile
     (the same pair uncompiled), else the first of the two that claims equality."""
@@ -180,17 +193,17 @@ def dropped_axis(a: str, b: str) -> str | None:
 
 def reference(a: str, b: str) -> tuple[list[str], str]:
     """(the reference run's overrides, how the pair is compared with it: equal | step1 | bf16 | ep)."""
-    dropped = dropped_axis(a, b)
+    dropped, under = dropped_axis(a, b), routed(a, b)
     if dropped:
-        return overrides(b if dropped == a else a), "equal"
+        return overrides(b if dropped == a else a, *under), "equal"
     for dropped, kept in ((a, b), (b, a)):
         if dropped == "muon":
-            return overrides(kept), "step1"
+            return overrides(kept, *under), "step1"
     for dropped, kept in ((a, b), (b, a)):
         if dropped == "bf16":
-            return overrides(kept), "bf16"
+            return overrides(kept, *under), "bf16"
     # moe (or DeepSeek's routing) + document masking: expert parallelism over 2 ranks against 1
-    return [*overrides(a, b), "expert_parallel.size=1"], "ep"
+    return [*pair_overrides(a, b), "expert_parallel.size=1"], "ep"
 
 
 def pairs() -> list[tuple[str, str]]:
@@ -208,7 +221,7 @@ def matrix_cases(pairs_run: list[tuple[str, str]], data: list[str]) -> list[list
     """The probe's cases for these pairs: each pair and its reference run, on `data`, once each."""
     cases = []
     for a, b in pairs_run:
-        for words in (overrides(a, b), reference(a, b)[0]):
+        for words in (pair_overrides(a, b), reference(a, b)[0]):
             if [*words, *data] not in cases:
                 cases.append([*words, *data])
     return cases

@@ -94,7 +94,12 @@ CASES = [
     ("model=mixtral-tiny pipeline=gpipe", "pipeline=none"),
     ("model=mixtral-tiny model.pretrained=/tmp", "model.pretrained=/tmp"),
     ("model=mixtral-tiny sequence_parallel.size=2", "sequence_parallel.size=2"),
-    ("model=mixtral-tiny optimizer=muon", "optimizer=muon"),
+    ("model=mixtral-tiny optimizer=muon", "choose engine=fsdp2 (Muon over the sharded experts"),
+    ("model=mixtral-tiny model.moe.shared_experts=-1", "model.moe.shared_experts=-1"),
+    ("model=mixtral-tiny model.moe.bias_update_rate=-0.1", "model.moe.bias_update_rate=-0.1"),
+    ("model=mixtral-tiny model.moe.balance=aux_free model.moe.aux_loss_coef=-1", "model.moe.aux_loss_coef=-1"),
+    ("model=mixtral-tiny model.moe.balance=bias", "model.moe.balance"),
+    ("model=llama-tiny model.moe.balance=aux_free", "choose model=mixtral-tiny"),
     # the moe keys on a dense family (it would train without experts)
     ("model.moe.experts=4", "model.moe.experts=4 configures a mixture of experts, and model.family=gpt2 is dense"),
     ("model=llama-tiny model.moe.aux_loss_coef=0.1", "choose model=mixtral-tiny"),

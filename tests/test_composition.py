@@ -116,10 +116,22 @@ def test_refused_pair(a, b):
     assert refused is not None and getattr(refused, "rule", None) is rule, (a, b, str(refused))
 
 
+UNDER_FSDP2 = sorted(tuple(sorted(pair)) for pair in composition.UNDER_FSDP2)
+
+
+@pytest.mark.parametrize("a, b", UNDER_FSDP2, ids=[f"{a}+{b}" for a, b in UNDER_FSDP2])
+def test_a_pair_fsdp2_runs_is_refused_on_deepspeed_naming_fsdp2(a, b):
+    """A pair the matrix runs under engine=fsdp2 only is one line on DeepSpeed's engine (a row of
+    the rules table, with its reason), and the line names engine=fsdp2."""
+    refused = refusal(composition.overrides(a, b))
+    assert refused is not None and getattr(refused, "rule", None) in rules.RULES, (a, b)
+    assert "choose engine=fsdp2" in str(refused), str(refused)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("a, b", ALLOWED, ids=[f"{a}+{b}" for a, b in ALLOWED])
 def test_pair(a, b, results, corpus):
-    words = composition.overrides(a, b)
+    words = composition.pair_overrides(a, b)
     assert "__launch__" not in results or composition.case_name([*words, *corpus]) in results, results.get("__launch__")
     ours = results[composition.case_name([*words, *corpus])]
     ref_words, kind = composition.reference(a, b)

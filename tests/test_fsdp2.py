@@ -281,6 +281,9 @@ PP_TP_4 = (*composition.overrides("fsdp2", "torch_pipeline", "autotp"), "trainer
 # each matrix's update computed on the whole matrix however it is sharded
 MUON = tuple(composition.OVERRIDES["muon"])
 MUON_4, MUON_HSDP_4, MUON_TP_4 = ((*layout, *MUON) for layout in (FSDP2_4, HSDP_4, TP_4))
+# and on the mixture of experts: its experts and routers cut over 4 ranks, or whole on each
+# tensor-parallel rank and cut over 2 (attention and the dense MLP split by tensor parallelism)
+MOE_MUON_4, MOE_MUON_TP_4 = ((*layout, *MUON) for layout in (MOE_4, MOE_TP_4))
 # One stage of two looped chunks over 4 data-parallel ranks, embeddings tied: both chunks of a rank
 # hold the one embedding matrix, which FSDP2 cannot put in two units
 TIED = "model.tie_embeddings=true"
@@ -379,6 +382,8 @@ def four_ranks(tmp_path_factory) -> Probed:
         MUON_4,
         MUON_HSDP_4,
         MUON_TP_4,
+        MOE_MUON_4,
+        MOE_MUON_TP_4,
     ]
     resumes = [(layout, layout) for layout in SAVED_4] + RESHARDED_4 + [(MUON_TP_4, MUON_4)]
     return run_probe(tmp_path_factory.mktemp("four_ranks"), 4, layouts, resumes)
@@ -485,29 +490,35 @@ def test_hsdp_across_two_torchrun_nodes_equals_fsdp2_over_4_ranks(four_ranks, tm
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [MUON_HSDP_4, MUON_TP_4], ids=["hsdp", "tensor-parallel"])
-def test_muon_on_sharded_matrices_trains_as_muon_under_fsdp2(four_ranks, layout):
+@pytest.mark.parametrize(
+    "layout, reference",
+    [(MUON_HSDP_4, MUON_4), (MUON_TP_4, MUON_4), (MOE_MUON_TP_4, MOE_MUON_4)],
+    ids=["hsdp", "tensor-parallel", "experts"],
+)
+def test_muon_on_sharded_matrices_trains_as_muon_under_fsdp2(four_ranks, layout, reference):
     """optimizer=muon under HSDP (2 replicas x 2 shards) and under FSDP2 x tensor parallelism (each
     matrix cut over 2 data-parallel and 2 tensor-parallel ranks) trains as under FSDP2 over 4 ranks,
     which composition's pair checks against DeepSpeed's Muon: every matrix's update orthogonalised
-    whole, whatever cuts it. Orthogonalising each rank's piece alone moves the second loss by ~1e-3
-    here. After the first update the losses are held to composition's Muon tolerance (its
-    Newton-Schulz runs in bf16, where gradients summed in another order can round otherwise). The
+    whole, whatever cuts it. So does a mixture of experts, its experts and routers in the Muon half
+    (whole on each tensor-parallel rank and cut over 2, against cut over 4). Orthogonalising each
+    rank's piece alone moves the second loss by ~1e-3 here. After the first update the losses are
+    held to composition's Muon tolerance (its Newton-Schulz runs in bf16, where gradients summed in
+    another order can round otherwise). The
     data x tensor checkpoint, Muon's momenta sharded over both dimensions, resumes bit for bit
     (test_every_layout_resumes_bit_for_bit) and continues under FSDP2 alone."""
     from test_composition import MUON_UPDATED_LOSS, close
 
-    ours, theirs = four_ranks.runs[layout], four_ranks.runs[MUON_4]
+    ours, theirs = four_ranks.runs[layout], four_ranks.runs[reference]
     assert "losses" in ours and "losses" in theirs, (ours, theirs)
     assert close(ours["losses"][0], theirs["losses"][0], LAYOUT_FP32["loss"]), (ours, theirs)
     assert close(ours["grad_norms"][0], theirs["grad_norms"][0], LAYOUT_FP32["first_norm"]), (ours, theirs)
-    for step, (loss, reference) in enumerate(zip(ours["losses"][1:], theirs["losses"][1:], strict=True), 1):
-        assert close(loss, reference, MUON_UPDATED_LOSS), (step, ours, theirs)
+    for step, (loss, expected) in enumerate(zip(ours["losses"][1:], theirs["losses"][1:], strict=True), 1):
+        assert close(loss, expected, MUON_UPDATED_LOSS), (step, ours, theirs)
     if layout == MUON_TP_4:  # its checkpoint (each matrix's momentum sharded over both dimensions) on FSDP2 alone
         resumed = four_ranks.resumed[MUON_TP_4, MUON_4]
         assert "losses" in resumed, resumed
-        for loss, reference in zip(resumed["losses"], ours["losses"][SAVE_AT:], strict=True):
-            assert close(loss, reference, MUON_UPDATED_LOSS), (resumed, ours)
+        for loss, expected in zip(resumed["losses"], ours["losses"][SAVE_AT:], strict=True):
+            assert close(loss, expected, MUON_UPDATED_LOSS), (resumed, ours)
 
 
 @pytest.mark.distributed

@@ -430,13 +430,13 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("moe", "muon"),
-        lambda j: on(j, "moe", "muon"),
+        lambda j: on(j, "moe", "muon") and not on(j, "fsdp2"),
         lambda j: (
-            "model.family=mixtral with optimizer=muon: Muon is not verified with DeepSpeed-MoE's expert parameter "
-            "groups; choose optimizer=adamw"
+            "model.family=mixtral with optimizer=muon on DeepSpeed's engine: its Muon is not verified with "
+            "DeepSpeed-MoE's expert parameter groups; choose engine=fsdp2 (Muon over the sharded experts, each "
+            "matrix orthogonalised whole), or optimizer=adamw"
         ),
-        NotYet("Muon over DeepSpeed-MoE's expert parameter groups"),
-        pair=True,
+        NotYet("Muon over DeepSpeed-MoE's expert parameter groups (engine=fsdp2 runs the pair)"),
     ),
     # --- tensor parallelism (AutoTP; torch's styles under engine=fsdp2), pipelines, compile
     *_with_pipelines(
@@ -648,11 +648,10 @@ RULES: list[Rule] = [
         ("muon", "autotp"),
         lambda j: _is_muon(j) and not on(j, "fsdp2") and j.ds.get("tensor_parallel", {}).get("autotp_size", 1) > 1,
         lambda j: (
-            "optimizer=muon with tp=auto would orthogonalise each rank's shard of a matrix, not the matrix: "
-            f"choose tp=none, {MUON_OTHER}"
+            "optimizer=muon with tp=auto on DeepSpeed's engine would orthogonalise each rank's shard of a matrix, "
+            f"not the matrix: choose engine=fsdp2 (each matrix gathered whole), tp=none, {MUON_OTHER}"
         ),
-        NotYet("gathering each tensor-parallel matrix for the orthogonalisation"),
-        pair=True,
+        NotYet("gathering each AutoTP matrix for the orthogonalisation (engine=fsdp2 runs the pair)"),
         final=True,
     ),
     Rule(
