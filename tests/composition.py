@@ -21,9 +21,9 @@ technique claims:
   ZeRO-1 with 2.
 - compile: a pair with compile is compared with the same pair uncompiled, each compiled by the
   backend that reaches where the two meet and no further (COMPILE_BACKEND). Where compile meets a
-  layout (FSDP2, ZeRO-3, offload, tensor, sequence and expert parallelism): aot_eager, dynamo's
-  capture and AOTAutograd's forward and backward graphs, where the layout's hooks, DTensors and
-  collectives meet the compiler. Where it meets what a block computes (Muon, the tiled loss,
+  layout (FSDP2, ZeRO-3, offload, torch's pipeline, tensor, sequence and expert parallelism):
+  aot_eager, dynamo's capture and AOTAutograd's forward and backward graphs, where the layout's
+  hooks, DTensors and collectives meet the compiler. Where it meets what a block computes (Muon, the tiled loss,
   document masking, activation checkpointing): aot_eager_decomp_partition, the graphs inductor
   would get (decomposed, and split into forward and backward by inductor's recomputing
   partitioner, which activation checkpointing steers), run on ATen's kernels. With bf16: inductor
@@ -118,7 +118,10 @@ OVERRIDES = {
 }
 # The backend a pair with compile runs with, by the other technique (the module docstring says why).
 COMPILE_BACKEND = {
-    **dict.fromkeys(("fsdp2", "zero3", "offload", "autotp", "sequence_parallel", "moe", "deepseek_moe"), "aot_eager"),
+    **dict.fromkeys(
+        ("fsdp2", "zero3", "offload", "torch_pipeline", "autotp", "sequence_parallel", "moe", "deepseek_moe"),
+        "aot_eager",
+    ),
     **dict.fromkeys(
         ("muon", "tiled_loss", "document_masking", "activation_checkpointing"), "aot_eager_decomp_partition"
     ),

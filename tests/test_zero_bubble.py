@@ -92,14 +92,20 @@ def reference(tmp_path_factory):
     return run
 
 
+# Each block compiled (aot_eager: dynamo's capture and AOTAutograd's graphs, as the composition
+# matrix compiles a layout): a zero-bubble schedule takes a compiled block's input and weight
+# gradients in two passes over its backward graph.
+COMPILED = ("trainer.compile=true", "trainer.compile_backend=aot_eager")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "schedule, model",
-    [("interleaved_zb", GPT2), ("zbv", LLAMA), ("dualpipev", GPT2)],
-    ids=["interleaved_zb-gpt2", "zbv-llama", "dualpipev-gpt2"],
+    "schedule, model, compiled",
+    [("interleaved_zb", GPT2, ()), ("zbv", LLAMA, ()), ("dualpipev", GPT2, ()), ("zbv", LLAMA, COMPILED)],
+    ids=["interleaved_zb-gpt2", "zbv-llama", "dualpipev-gpt2", "zbv-llama-compiled"],
 )
-def test_schedule_matches_data_parallel(launch2, reference, schedule, model):
-    run_dir, ref = launch2(*model, f"pipeline={schedule}"), reference(*model)
+def test_schedule_matches_data_parallel(launch2, reference, schedule, model, compiled):
+    run_dir, ref = launch2(*model, *compiled, f"pipeline={schedule}"), reference(*model)
     losses = series(run_dir, "loss")
     assert losses[-1] < losses[0]
     assert_close(losses, series(ref, "loss"), PIPELINE_FP32, "losses")

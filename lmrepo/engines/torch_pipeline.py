@@ -71,7 +71,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
-from lmrepo.config.parallel import V_SCHEDULES
+from lmrepo.config.parallel import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from lmrepo.distributed.device import isolate_compile_cache
 from lmrepo.distributed.grad_norm import by_mesh, float64_norm, global_grad_norm
 from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.distributed.tp import parallelize_block
@@ -580,6 +581,18 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
 
     net = build_model(config.model)
     enable_activation_checkpointing(net, config.checkpointing, {})  # the blocks checkpoint themselves
+    if config.trainer.compile:
+        # each block, as engine=fsdp2 compiles them (and torchtitan a pipeline's): the stages' layers
+        # hold these modules, so a rank compiles the blocks of its own chunks, at their first call
+        # (after tensor parallelism and fully_shard have wrapped them)
+        isolate_compile_cache()
+        for block in transformer_blocks(net):
+            block.compile(backend=str(config.trainer.compile_backend))
+        if config.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+            # the zero-bubble schedules take a block's input gradients first (retaining its graph)
+            # and its weight gradients later: a compiled backward that donates its saved buffers
+            # refuses the first ("requires retain_graph=False"), so they are kept
+            torch._functorch.config.donated_buffer = False
     layers = pipe.pipeline_layers(net, config.model.family)
     loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
     sharding = None

@@ -448,12 +448,16 @@ RULES: list[Rule] = [
         NotYet("AutoTP groups inside pipeline stages (engine=fsdp2 splits the blocks of a torch pipeline's stages)"),
         refuses=lambda j, pipe: on(j, "autotp", pipe) and not (pipe == "torch_pipeline" and on(j, "fsdp2")),
     ),
-    *_with_pipelines(
-        "compile",
+    Rule(
+        ("compile", "ds_pipeline"),
+        lambda j: on(j, "compile", "ds_pipeline"),
         lambda j: (
-            f"trainer.compile=true is not supported with pipeline={_c(j).pipeline.schedule}: set trainer.compile=false"
+            f"trainer.compile=true is not supported with pipeline={_c(j).pipeline.schedule} (DeepSpeed's "
+            "PipelineModule): set trainer.compile=false, or choose a torch pipeline (pipeline=gpipe, 1f1b_torch, "
+            "interleaved), whose stages compile block by block"
         ),
-        NotYet("compiled pipeline stages"),
+        NotYet("compiled stages of DeepSpeed's PipelineModule"),
+        pair=True,
     ),
     # --- in-loop downstream evaluation (eval.tasks)
     Rule(
