@@ -2,6 +2,7 @@
 parameter role for every family, Muon against a plain-torch reference, ZeRO-2 against ZeRO-0, and
 the combinations refused in one line."""
 
+import copy
 import json
 import math
 import subprocess
@@ -100,6 +101,38 @@ def test_muon_takes_the_hidden_matrices_of_every_family(model):
     assert all(p.ndim >= 2 for p in net.parameters() if id(p) in muon)
 
 
+def test_the_torch_engines_muon_resumes_both_halves():
+    """lmrepo's Muon for the torch engines (ShardedMuon: FSDP2, the torch pipelines) loaded from its
+    state dict steps as the optimizer that saved it, both halves: torch's load_state_dict makes new
+    groups and states, which the AdamW half must step (it stepped the ones from before the load:
+    fresh moments, and a schedule's rate that never reached it)."""
+    from lmrepo.optim.optimizer import param_groups, torch_optimizer
+
+    words = ["model=llama-tiny", "model.n_layer=1", *TINY[1:3], "model.n_kv_head=2", *TINY[-2:], "optimizer=muon"]
+    config = load(compose_config(words))
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(model, optimizer) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    model = build_model(config.model)
+    optimizer = torch_optimizer(param_groups(model, 0.1), config.optimizer, model)
+    step(model, optimizer)
+    saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_states = copy.deepcopy(optimizer.state_dict())  # its tensors are the live states
+    step(model, optimizer)
+    resumed_model = build_model(config.model)
+    resumed_model.load_state_dict(saved_weights)
+    resumed = torch_optimizer(param_groups(resumed_model, 0.1), config.optimizer, resumed_model)
+    resumed.load_state_dict(saved_states)
+    step(resumed_model, resumed)
+    for (name, a), b in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_muon_section_of_the_deepspeed_dict():
     ds, _ = validate(compose_config(["optimizer=muon", "trainer.grad_clip=0", "zero=stage3"]), 1, CPU)
     assert ds["optimizer"]["type"] == "Muon"
@@ -119,7 +152,7 @@ def test_muon_section_of_the_deepspeed_dict():
     [
         (["zero=stage2"], 1, "DeepSpeed's ZeRO clips Muon's orthogonalised update there, not the gradient"),
         (["zero=stage3", "trainer.grad_clip=0", "zero.reduce_scatter=true"], 1, "needs whole gradients"),
-        (["pipeline=1f1b", "pipeline.stages=2"], 2, "runs on DeepSpeed's engine without a pipeline"),
+        (["pipeline=1f1b", "pipeline.stages=2"], 2, "builds no Muon/AdamW split per stage; choose a torch pipeline"),
         (["tp=auto", "model=llama-tiny"], 2, "each rank's shard of a matrix"),
         (["schedule=linear"], 1, "WarmupDecayLR sets one absolute learning rate"),
         (["schedule=constant"], 1, "WarmupLR sets one absolute learning rate"),

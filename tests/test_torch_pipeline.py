@@ -141,6 +141,41 @@ def test_resume_continues_the_same_losses(launch2, tmp_path):
     assert eval_loss(resumed) == eval_loss(original)
 
 
+# Muon on an untied Llama (its LM head a layer of the last stage), clipping on, the schedule's decay
+# from step 3 (the checkpoint at step 3 resumes mid-decay).
+MUON_LLAMA = (
+    "model=llama-tiny",
+    "model.n_kv_head=2",
+    "optimizer=muon",
+    "schedule=wsd",
+    "schedule.decay_fraction=0.5",
+    "trainer.grad_clip=0.5",
+)
+
+
+@pytest.mark.distributed
+def test_muon_per_stage_equals_one_process_and_resumes_mid_decay(launch2, reference, tmp_path):
+    """optimizer=muon with pipeline=gpipe: each stage splits its parameters by role (the LM head, a
+    layer of the last stage, takes AdamW as in the whole model) and trains as DeepSpeed's Muon in
+    one process: the first loss and gradient norm to fp32, then within composition's Muon
+    tolerance (Newton-Schulz in bf16). Giving the head to Muon moved the sixth loss by 6e-3. Resumed
+    from step 3, mid-decay, it continues bit for bit: the AdamW half steps the states and rates it
+    loaded (it stepped the ones from before the load, fresh moments, before lmrepo shared them)."""
+    from test_composition import MUON_UPDATED_LOSS
+
+    run_dir, ref = launch2(*PIPE, *MUON_LLAMA, "pipeline=gpipe"), reference(*MUON_LLAMA)
+    ours, theirs = [[m for m in read_metrics(d) if "loss" in m] for d in (run_dir, ref)]
+    assert_close(ours[0]["loss"], theirs[0]["loss"], STEPS_FP32, "first loss")
+    assert_close(ours[0]["grad_norm"], theirs[0]["grad_norm"], STEPS_FP32, "first gradient norm")
+    assert_close([m["loss"] for m in ours], [m["loss"] for m in theirs], MUON_UPDATED_LOSS, "losses")
+
+    resumed = tmp_path / "resumed"
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    assert_ok(run_train([*TINY, *PIPE, *MUON_LLAMA, "pipeline=gpipe", f"run.resume={checkpoint}"], resumed, ranks=2))
+    after = [(m["step"], m["loss"], m["lr"]) for m in read_metrics(resumed) if "loss" in m]
+    assert after == [(m["step"], m["loss"], m["lr"]) for m in ours[3:]]
+
+
 @pytest.mark.distributed
 def test_which_checkpoints_a_torch_pipeline_resumes(launch2, tmp_path):
     """A torch schedule's checkpoint holds nothing of its split: another split resumes it (here one

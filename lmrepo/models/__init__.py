@@ -32,6 +32,11 @@ def build_model(model, loss_tiles: int | None = None, expert_parallel_size: int 
     net.loss_type = family.LOSS_TYPE
     if loss_tiles is not None:
         causal_loss.install(net, loss_tiles)
+    # The LM head says what it is to code that sees a piece of the model (a pipeline stage: Muon
+    # gives it AdamW, as the whole model's get_output_embeddings tells)
+    head = net.get_output_embeddings()
+    if head is not None:
+        head.is_output_embedding = True
     return net.train()  # from_pretrained returns a model in eval mode
 
 

@@ -17,9 +17,17 @@ from lmrepo.config import OptimizerConfig
 def muon_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters Muon steps: the matrices of the hidden layers. Not an nn.Embedding's
     weight (token, position and type embeddings), not the output embedding (the LM head, tied to
-    the input embedding or not: transformers' get_output_embeddings), nothing below 2-D (norms,
-    biases). GPT-2's Conv1D weights are hidden matrices stored transposed (in x out): Muon."""
-    excluded = {id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()}
+    the input embedding or not: transformers' get_output_embeddings, or in a pipeline stage the
+    module build_model marked), nothing below 2-D (norms, biases). GPT-2's Conv1D weights are
+    hidden matrices stored transposed (in x out): Muon."""
+    excluded = {
+        id(p)
+        for module in model.modules()
+        # an embedding, or the LM head (lmrepo.models.build_model marks it: a pipeline stage's chunks
+        # have no get_output_embeddings)
+        if isinstance(module, nn.Embedding) or getattr(module, "is_output_embedding", False)
+        for p in module.parameters()
+    }
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         excluded |= {id(p) for p in head.parameters()}
@@ -130,8 +138,19 @@ class ShardedMuon(torch.optim.Optimizer):
         super().__init__(halves, {})
         adam_groups = [group for group in self.param_groups if not group["use_muon"]]
         self.adam = torch.optim.AdamW(adam_groups, **adam_kwargs) if adam_groups else None
+        self._share_with_adam()
+
+    def _share_with_adam(self) -> None:
+        """The AdamW half steps this optimizer's own groups and states (a schedule's rate reaches it)."""
         if self.adam is not None:
-            self.adam.param_groups, self.adam.state = adam_groups, self.state  # the same groups and states
+            self.adam.param_groups = [group for group in self.param_groups if not group["use_muon"]]
+            self.adam.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch's load_state_dict makes new groups and a new state: shared again, or the AdamW half
+        # would step from the states it had before the load (a resumed run's moments lost)
+        super().load_state_dict(state_dict)
+        self._share_with_adam()
 
     @torch.no_grad()
     def step(self, closure=None):

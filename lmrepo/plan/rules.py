@@ -638,14 +638,16 @@ RULES: list[Rule] = [
         final=True,
     ),
     # --- Muon (DeepSpeed's, lmrepo's role split)
-    *_with_pipelines(
-        "muon",
+    Rule(
+        ("muon", "ds_pipeline"),
+        lambda j: _is_muon(j) and on(j, "ds_pipeline"),
         lambda j: (
-            "optimizer=muon runs on DeepSpeed's engine without a pipeline (each stage would need its own "
-            f"Muon/AdamW split and checkpoint layout, not offered yet): choose pipeline=none, {MUON_OTHER}"
+            f"optimizer=muon with pipeline={_c(j).pipeline.schedule} (DeepSpeed's PipelineModule): its engine "
+            "builds no Muon/AdamW split per stage; choose a torch pipeline (pipeline=gpipe, 1f1b_torch, "
+            f"interleaved), whose stages split by role, or pipeline=none, {MUON_OTHER}"
         ),
-        NotYet("a Muon/AdamW split per pipeline stage"),
-        refuses=lambda j, pipe: _is_muon(j) and on(j, pipe),
+        NotYet("a Muon/AdamW split per stage of DeepSpeed's PipelineModule"),
+        pair=True,
         final=True,
     ),
     Rule(
