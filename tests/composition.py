@@ -129,7 +129,12 @@ COMPILE_BACKEND = {
 }
 # Pairs that run under engine=fsdp2 only (a row of the rules table refuses them on DeepSpeed's
 # engine, and says why): the pair and its reference run with FSDP2 as a third technique.
-UNDER_FSDP2 = {frozenset(("autotp", "muon")), frozenset(("moe", "muon")), frozenset(("deepseek_moe", "muon"))}
+UNDER_FSDP2 = {
+    frozenset(("autotp", "muon")),
+    frozenset(("moe", "muon")),
+    frozenset(("deepseek_moe", "muon")),
+    frozenset(("offload", "torch_pipeline")),
+}
 EQUAL = {
     "fsdp2",
     "zero3",

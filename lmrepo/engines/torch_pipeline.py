@@ -57,7 +57,7 @@ from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -70,7 +70,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from lmrepo.config import OptimizerConfig, PipelineConfig, TrainConfig
+from lmrepo.config import OffloadTarget, OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from lmrepo.distributed.device import isolate_compile_cache
 from lmrepo.distributed.grad_norm import by_mesh, float64_norm, global_grad_norm
@@ -197,6 +197,7 @@ class StageSharding:
     blocks: frozenset
     tp_mesh: DeviceMesh | None = None
     tp_plan: dict | None = None
+    offload: bool = False  # offload=cpu: the shards, their gradients and optimizer states in CPU memory
 
 
 def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Parameter]:
@@ -213,6 +214,10 @@ def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Para
         "mesh": sharding.mesh,
         "reshard_after_forward": sharding.reshard_after_forward,
         "ignored_params": set(shared),
+        # as engine=fsdp2 offloads without a pipeline (a weight two chunks share stays whole, on the device)
+        "offload_policy": CPUOffloadPolicy(pin_memory=sharding.mesh.device_type == "cuda")
+        if sharding.offload
+        else OffloadPolicy(),
     }
     for chunk in chunks:
         for module in chunk.modules():
@@ -242,6 +247,7 @@ def stage_sharding(net: nn.Module, config: TrainConfig, layout: ParallelLayout, 
         frozenset(transformer_blocks(net)),
         mesh["tp"] if layout.tp > 1 else None,
         block_tp_plan(net) if layout.tp > 1 else None,
+        config.offload.target == OffloadTarget.cpu,
     )
 
 

@@ -570,14 +570,15 @@ RULES: list[Rule] = [
         ("torch_pipeline", "offload"),
         lambda j: (
             on(j, "torch_pipeline")
+            and not on(j, "fsdp2")
             and j.ds is not None
             and j.ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
         ),
         lambda j: (
-            f"{_torch_pipe(j)} does not offload: set offload=none" + ("" if on(j, "fsdp2") else ", or pipeline=1f1b")
+            f"{_torch_pipe(j)} on DeepSpeed's engine does not offload: set offload=none, choose engine=fsdp2 (each "
+            "stage's shards offloaded to CPU memory), or pipeline=1f1b"
         ),
-        NotYet("offloaded pipeline stages"),
-        pair=True,
+        NotYet("offloaded stages of torch's schedules on DeepSpeed's engine (engine=fsdp2 runs the pair)"),
         final=True,
     ),
     Rule(
