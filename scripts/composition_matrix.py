@@ -57,7 +57,8 @@ def page() -> str:
         "",
         "- **tested**: allowed, and `tests/test_composition.py::test_pair` runs the two together on 2 CPU ranks "
         "against the run it claims to equal (loss of every step and the gradient norm; fp32, or within bf16 "
-        "rounding where bf16 is one of the two). A pair with compile is compared with the same pair uncompiled; "
+        "rounding where bf16 is one of the two); a pair that needs more ranks, in the test the table of tested "
+        "pairs names. A pair with compile is compared with the same pair uncompiled; "
         "each compiled by the backend that reaches where the two meet: aot_eager with a parallel layout "
         "(dynamo's capture and AOTAutograd's graphs, where the layout meets the compiler), "
         "aot_eager_decomp_partition with what a block computes (the graphs inductor would get, decomposed and "
@@ -80,6 +81,9 @@ def page() -> str:
             _, kind = composition.reference(a, b)
             dropped = composition.dropped_axis(a, b)
             note = COMPARED[kind].format(dropped=AXES[dropped].label if dropped else "")
+            if frozenset((a, b)) in composition.ELSEWHERE:
+                lines.append(f"| {AXES[a].label} + {AXES[b].label} | {composition.ELSEWHERE[frozenset((a, b))]} |")
+                continue
             if composition.compile_backend(a, b):
                 note += f" (compiled with the {composition.compile_backend(a, b)} backend)"
             if composition.routed(a, b):

@@ -45,7 +45,7 @@ BF16 = {"loss": 2e-2, "first_norm": 3e-2, "norm": None}
 # (embeddings, norms) by percents, and Muon's first step, before any update, is held to FP32.
 MUON_UPDATED_LOSS = 1e-4
 PAIRS = composition.pairs()
-ALLOWED = composition.allowed_pairs()
+ALLOWED = composition.probed_pairs()  # the allowed pairs but those run ELSEWHERE
 
 
 def refusal(words: list[str]) -> ConfigError | None:
@@ -114,6 +114,20 @@ def test_refused_pair(a, b):
     rule = rules.pair_rules()[frozenset((a, b))]
     refused = refusal(composition.overrides(a, b))
     assert refused is not None and getattr(refused, "rule", None) is rule, (a, b, str(refused))
+
+
+def test_a_pair_tested_elsewhere_runs_there():
+    """A pair the matrix marks tested in another file (it needs more ranks) is one of that file's
+    layouts, both techniques on as the matrix turns them on."""
+    import test_fsdp2
+
+    layouts = {frozenset(("torch_pipeline", "autotp")): test_fsdp2.PP_TP_4}
+    assert set(layouts) == set(composition.ELSEWHERE)
+    for pair, layout in layouts.items():
+        assert set(composition.pair_overrides(*sorted(pair))) <= set(layout), (pair, layout)
+        assert plan_config(list(layout)).pipeline.schedule != "none" and all(
+            AXES[a].on(plan_config(list(layout))) for a in pair
+        )
 
 
 UNDER_FSDP2 = sorted(tuple(sorted(pair)) for pair in composition.UNDER_FSDP2)

@@ -439,14 +439,24 @@ RULES: list[Rule] = [
         NotYet("Muon over DeepSpeed-MoE's expert parameter groups (engine=fsdp2 runs the pair)"),
     ),
     # --- tensor parallelism (AutoTP; torch's styles under engine=fsdp2), pipelines, compile
-    *_with_pipelines(
-        "autotp",
+    Rule(
+        ("autotp", "ds_pipeline"),
+        lambda j: on(j, "autotp", "ds_pipeline"),
         lambda j: (
-            "tp=auto does not combine with a pipeline here: choose tp=none or pipeline=none"
-            + ("" if on(j, "ds_pipeline") else ", or engine=fsdp2 (torch's tensor-parallel styles inside the stages)")
+            "tp=auto does not combine with DeepSpeed's pipeline here: choose tp=none or pipeline=none, or a torch "
+            "pipeline (pipeline=gpipe, 1f1b_torch, interleaved) with engine=fsdp2"
         ),
-        NotYet("AutoTP groups inside pipeline stages (engine=fsdp2 splits the blocks of a torch pipeline's stages)"),
-        refuses=lambda j, pipe: on(j, "autotp", pipe) and not (pipe == "torch_pipeline" and on(j, "fsdp2")),
+        NotYet("AutoTP groups inside the stages of DeepSpeed's PipelineModule"),
+        pair=True,
+    ),
+    Rule(
+        ("autotp", "torch_pipeline"),
+        lambda j: on(j, "autotp", "torch_pipeline") and not on(j, "fsdp2"),
+        lambda j: (
+            f"tp=auto with {_torch_pipe(j)} on DeepSpeed's engine: choose engine=fsdp2 (torch's tensor-parallel "
+            "styles inside the stages), tp=none or pipeline=none"
+        ),
+        NotYet("AutoTP groups inside torch pipeline stages on DeepSpeed's engine (engine=fsdp2 runs the pair)"),
     ),
     Rule(
         ("compile", "ds_pipeline"),
