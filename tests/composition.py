@@ -176,11 +176,14 @@ def overrides(*axes: str) -> list[str]:
         stage = max(stages)
         if "ds_pipeline" in axes and "zero3" not in axes:  # DeepSpeed's pipeline runs ZeRO-0 or 1 (offload: 1)
             stage = min(stage, 1)
+        if "torch_pipeline" in axes and not ({"fsdp2", "zero3"} & set(axes)):  # torch's schedules: ZeRO-0 on DeepSpeed
+            stage = 0
         words.append(f"zero=stage{stage}")
     if "muon" in axes and stages and max(stages) > 0 and "fsdp2" not in axes:
         words.append("trainer.grad_clip=0")
     moe = bool({"moe", "deepseek_moe"} & set(axes))
-    if moe and "fsdp2" in axes:  # FSDP2 shards each expert over its ranks: no expert parallelism
+    # FSDP2 shards each expert over its ranks, a torch pipeline's stage holds its layers' experts: no expert parallelism
+    if moe and ({"fsdp2", "torch_pipeline"} & set(axes)):
         words = [w.replace("expert_parallel.size=2", "expert_parallel.size=1") for w in words]
     if compile_backend(*axes) not in (None, "inductor"):  # inductor is trainer.compile_backend's default
         words.append(f"trainer.compile_backend={compile_backend(*axes)}")

@@ -176,6 +176,50 @@ def test_muon_per_stage_equals_one_process_and_resumes_mid_decay(launch2, refere
     assert after == [(m["step"], m["loss"], m["lr"]) for m in ours[3:]]
 
 
+# A mixture of experts (4 experts of width 96, top-2, in both blocks) with a weighty load-balancing
+# loss, and with DeepSeek's routing (the router bias moved 0.01 a step, a shared expert) in
+# blocks that recompute in backward
+MOE = (
+    "model=mixtral-tiny",
+    "model.n_kv_head=2",
+    "model.n_inner=96",
+    "model.moe.experts=4",
+    "model.moe.aux_loss_coef=0.1",
+)
+DEEPSEEK = (*MOE, "model.moe.balance=aux_free", "model.moe.bias_update_rate=0.01", "model.moe.shared_experts=1")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "model, schedule", [(MOE, "gpipe"), ((*DEEPSEEK, "checkpointing=full"), "1f1b_torch")], ids=["moe", "deepseek"]
+)
+def test_moe_stages_train_as_one_process(launch2, reference, tmp_path, model, schedule):
+    """MoE blocks in torch pipeline stages: each block's load-balancing loss gets its gradient in
+    its own stage's backward (the last stage's loss has no path to it) and joins the logged loss;
+    the router biases move from the loads of every stage's layers. Against one process without a
+    pipeline: the losses, gradient norms, load-balancing term, routes per expert and evaluation
+    losses of 6 steps. A stage's first step runs one forward more (torch's shape inference on
+    uninitialised inputs), which must not count: counted, it moved the first loss by 2%. The DeepSeek
+    case resumes from step 3 (the router bias in the layer's file) and continues the run."""
+    run_dir, ref = launch2(*PIPE, *model, f"pipeline={schedule}"), reference(*model)
+    ours, theirs = [[m for m in read_metrics(d) if "loss" in m] for d in (run_dir, ref)]
+    for key in ("loss", "grad_norm", "aux_loss"):
+        assert_close([m[key] for m in ours], [m[key] for m in theirs], STEPS_FP32, key)
+    assert [m["expert_tokens"] for m in ours] == [m["expert_tokens"] for m in theirs]
+    assert_close(eval_loss(run_dir), eval_loss(ref), STEPS_FP32, "eval loss")
+    if model[-1] != "checkpointing=full":
+        return
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    bias = [v for k, v in torch.load(checkpoint / "layer_01-model_states.pt").items() if k.endswith("route_bias")]
+    assert len(bias) == 1 and bias[0].abs().sum() > 0
+    resumed = tmp_path / "resumed"
+    assert_ok(run_train([*TINY, *PIPE, *model, f"pipeline={schedule}", f"run.resume={checkpoint}"], resumed, ranks=2))
+    after = [m for m in read_metrics(resumed) if "loss" in m]
+    assert [(m["step"], m["loss"], m["expert_tokens"]) for m in after] == [
+        (m["step"], m["loss"], m["expert_tokens"]) for m in ours[3:]
+    ]
+
+
 @pytest.mark.distributed
 def test_which_checkpoints_a_torch_pipeline_resumes(launch2, tmp_path):
     """A torch schedule's checkpoint holds nothing of its split: another split resumes it (here one

@@ -152,7 +152,8 @@ PIPELINE_ENGINES = {
 # OmegaConf matches an enum by member name, and "1f1b" is no Python identifier: the functional API.
 Schedule = StrEnum("Schedule", {name: name for name in PIPELINE_ENGINES})
 PIPELINE_FAMILIES = ("gpt2", "llama", "bert")
-BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "bert": "BertLayer"}  # a pipeline's transformer blocks
+# a pipeline's transformer blocks (a mixture of experts' are Llama layers with an MoE MLP)
+BLOCK_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaLayer", "mixtral": "LlamaLayer", "bert": "BertLayer"}
 # Schedules whose ranks hold several model chunks: looped placement (rank r: chunks r, r + stages, ...).
 LOOPED_SCHEDULES = ("interleaved", "interleaved_zb")
 # the schedules that split a backward into its input- and weight-gradient halves

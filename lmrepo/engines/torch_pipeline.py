@@ -91,7 +91,8 @@ from lmrepo.engines.layer_files import (
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
 from lmrepo.engines.recompute import enable_activation_checkpointing
 from lmrepo.models import build_model, pipe, transformer_blocks
-from lmrepo.models.pipe import is_tied_copy
+from lmrepo.models.mixtral import balance_layers, routes_record
+from lmrepo.models.pipe import is_moe_spec, is_tied_copy
 from lmrepo.optim.optimizer import param_groups, torch_optimizer
 from lmrepo.optim.schedules import build_scheduler
 from lmrepo.utils import safe_load
@@ -283,6 +284,7 @@ class TorchPipelineEngine:
         bf16: bool,
         layout: ParallelLayout,
         sharding: StageSharding | None = None,
+        moe: dict | None = None,
     ):
         self.device = torch.device(get_accelerator().current_device_name())
         self.stages, virtual = layout.pp, pipeline.virtual_stages
@@ -338,6 +340,12 @@ class TorchPipelineEngine:
         )
 
         self.tied = self._tied_groups()
+        self.moe_settings = moe or {}  # a mixture of experts' keys (its transformers config's `moe`)
+        # A mixture of experts: its MoE layers by their row among the whole model's (every stage
+        # numbers them alike), and this rank's of them
+        moe_indices = [i for i, spec in enumerate(layers) if is_moe_spec(spec)]
+        self.moe_rows = {index: row for row, index in enumerate(moe_indices)}
+        self.moe_layers = {self.moe_rows[i]: layer.layer.mlp for i, layer in self.layers.items() if i in self.moe_rows}
         self.optimizer = torch_optimizer(param_groups(self.chunks, optimizer.weight_decay), optimizer, self.chunks)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
         self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
@@ -402,6 +410,8 @@ class TorchPipelineEngine:
 
     def step_record(self) -> dict:
         record = {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}
+        if self.moe_rows:
+            record |= self._moe_record()
         return record | ({"bubble": self.last_bubble} if self.last_bubble is not None else {})
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
@@ -443,14 +453,60 @@ class TorchPipelineEngine:
     def train_batch(self, data_iter) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._run(self.schedule, data_iter, self.micro_batches, train=True)  # grads: sum over micro-batches
+        terms = self._moe_forwards() if self.moe_rows else {}
+        if self.moe_rows:
+            loss = loss + self._moe_aux(terms)
         self._measure_bubble()
         self._scale_gradients()  # the mean over micro-batches
         self._reduce_gradients()
         self._clip_gradients(self.gradient_clipping)
         self.optimizer.step()
         self.lr_scheduler.step()
+        if self.moe_rows and self.moe_settings["balance"] == "aux_free":
+            moe, loads = self.moe_settings, {row: load for row, (_, load) in terms.items()}
+            rows, experts, rate = len(self.moe_rows), moe["experts"], moe["bias_update_rate"]
+            balance_layers(self.moe_layers, rows, experts, rate, self.device, step_loads=loads)
         self.global_steps += 1
         return loss
+
+    # --- a mixture of experts in the stages
+
+    def _moe_forwards(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's MoE layers' (load-balancing term, routes) of the step, summed over its
+        micro-batches, by row: the last micro-batch count of their forwards (a stage's first step
+        runs one forward more, torch's shape inference, on uninitialised inputs)."""
+        terms = {}
+        for row, mlp in self.moe_layers.items():
+            forwards = mlp.pipeline_forwards[-self.micro_batches :]
+            terms[row] = (sum(a.double() for a, _ in forwards), sum(r for _, r in forwards))
+            mlp.pipeline_forwards.clear()
+            mlp.step_load.zero_()  # MoEMLP's own count holds the shape inference's and recomputes' routes
+        return terms
+
+    def _moe_aux(self, terms: dict) -> torch.Tensor:
+        """The step's load-balancing terms, as the loss without a pipeline holds them: each MoE
+        layer's (aux_loss_coef x its loss) averaged over the micro-batches, summed over the stages,
+        averaged over the replicas (a tensor-parallel group's ranks hold the same)."""
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for aux, _ in terms.values():
+            local += aux
+        dist.all_reduce(local)
+        return (local / (self.micro_batches * self.dp * self.tp)).float()
+
+    def _moe_record(self) -> dict:
+        """The metrics-line figures of a mixture of experts (lmrepo.models.mixtral.routes_record) for
+        the last micro-batch, from every stage's layers: rows of the whole model's, summed over the
+        ranks (the replicas' routes add up; a tensor-parallel group's ranks route the same tokens)."""
+        rows, experts = len(self.moe_rows), self.moe_settings["experts"]
+        packed = torch.zeros(2 + rows * experts, dtype=torch.float64, device=self.device)
+        for row, mlp in self.moe_layers.items():
+            packed[0] += self.moe_settings["aux_loss_coef"] * mlp.aux_loss.detach().double()
+            packed[1] += mlp.dropped.double()
+            packed[2 + row * experts : 2 + (row + 1) * experts] = mlp.routes.double()
+        dist.all_reduce(packed)
+        packed /= self.tp
+        aux, dropped, routes = packed[0] / self.dp, packed[1], packed[2:].view(rows, experts)
+        return routes_record(routes, dropped, aux.item(), self.moe_settings["drop_tokens"])
 
     def eval_batch(self, data_iter, num_micro_batches: int) -> torch.Tensor:
         if num_micro_batches not in self.eval_schedules:
@@ -615,4 +671,5 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
         config.precision.dtype == "bf16",
         layout,
         sharding,
+        getattr(net.config, "moe", None),
     )

@@ -160,6 +160,8 @@ class MoEMLP(nn.Module):
             self.shared = LlamaMLP(shared)
         self._init_weights(config, layer_index, ep_size)
         self.aux_loss = self.routes = self.dropped = None
+        # a torch pipeline's (load-balancing term, routes) of each forward (lmrepo.models.pipe.with_aux_loss)
+        self.pipeline_forwards: list[tuple[torch.Tensor, torch.Tensor]] = []
         gate.register_forward_hook(self._count_dropped)
 
     @torch.no_grad()
@@ -267,22 +269,40 @@ MODEL_CLASS = MixtralStyleForCausalLM
 
 @torch.no_grad()
 def balance_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """balance=aux_free, after each optimizer step (a collective over the ranks of `group`, default
-    every rank): each MoE layer's routes per expert over the step's micro batches and ranks, and
-    DeepSeek-V3's update of the router bias: + bias_update_rate for an expert below the mean load,
-    - for one above. Every rank computes the same bias from the same sums. Nothing otherwise."""
-    if not isinstance(model, MixtralStyleForCausalLM):
-        return
-    layers = [mlp for mlp in model.moe_layers() if mlp.aux_free]
-    if not layers:
-        return
-    loads = torch.stack([mlp.step_load for mlp in layers])
+    """balance=aux_free, after each optimizer step: balance_layers over the whole model's MoE layers.
+    Nothing otherwise."""
+    if isinstance(model, MixtralStyleForCausalLM) and model.config.moe["balance"] == "aux_free":
+        layers = model.moe_layers()
+        experts, device = model.config.moe["experts"], layers[0].step_load.device
+        balance_layers(dict(enumerate(layers)), len(layers), experts, model.bias_update_rate, device, group)
+
+
+@torch.no_grad()
+def balance_layers(
+    layers: dict[int, MoEMLP],
+    rows: int,
+    experts: int,
+    rate: float,
+    device,
+    group: dist.ProcessGroup | None = None,
+    step_loads: dict[int, torch.Tensor] | None = None,
+) -> None:
+    """DeepSeek-V3's update of the router biases (balance=aux_free), after each optimizer step: each
+    MoE layer's routes per expert over the step's micro batches and the ranks of `group` (default
+    every rank; a collective: each calls it, with the same `rows`), and + `rate` for an expert
+    below the layer's mean load, - for one above. `layers`: this rank's MoE layers by their row
+    among the model's `rows` (a pipeline stage holds some of them, or none; the others' rows are
+    zeros here and summed in); `step_loads` their routes of the step where not their step_load.
+    Every rank computes the same bias from the same sums."""
+    loads = torch.zeros(rows, experts, dtype=torch.int64, device=device)
+    for row, mlp in layers.items():
+        loads[row] = mlp.step_load if step_loads is None else step_loads[row]
     if dist.is_initialized():
-        loads = loads.to(model.last_aux_loss.device)  # the backend's device (NCCL reduces CUDA tensors only)
         dist.all_reduce(loads, group=group)
-    for mlp, load in zip(layers, loads.double()):
+    for row, mlp in layers.items():
+        load = loads[row].double()
         bias = mlp.moe.deepspeed_moe.gate.route_bias
-        bias += model.bias_update_rate * torch.sign(load.mean() - load).to(bias)
+        bias += rate * torch.sign(load.mean() - load).to(bias)
         mlp.step_load.zero_()
 
 
@@ -304,12 +324,18 @@ def moe_record(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict
         world = dist.get_world_size(group)
         dist.all_reduce(packed, group=group)
     aux, dropped, routes = packed[0] / world, packed[1], packed[2:].view(len(layers), -1)
+    return routes_record(routes, dropped, aux.item(), layers[0].moe.deepspeed_moe.gate.drop_tokens)
+
+
+def routes_record(routes: torch.Tensor, dropped: torch.Tensor, aux: float, drop_tokens: bool) -> dict:
+    """The metrics-line figures from the routes per (MoE layer, expert) and the dropped routes,
+    summed over the ranks, and the load-balancing term."""
     record = {
-        "aux_loss": aux.item(),
+        "aux_loss": aux,
         "expert_tokens": [int(n) for n in routes.sum(0).tolist()],
         "expert_load_max": (routes.max(1).values / routes.mean(1)).max().item(),
     }
-    if layers[0].moe.deepspeed_moe.gate.drop_tokens:
+    if drop_tokens:
         record["dropped_frac"] = (dropped / routes.sum()).item()
     return record
 

@@ -137,7 +137,46 @@ class LlamaLayerPipe(nn.Module):
             use_cache=False,
             position_embeddings=self.rotary_emb(hidden, position_ids=positions),
         )
+        if self.training and is_moe_layer(self.layer):
+            out = with_aux_loss(out, self.layer.mlp, self.config.moe["aux_loss_coef"])
         return (out, positions) if given else out
+
+
+def is_moe_layer(layer: nn.Module) -> bool:
+    from lmrepo.models.mixtral import MoEMLP
+
+    return isinstance(getattr(layer, "mlp", None), MoEMLP)
+
+
+def is_moe_spec(spec) -> bool:
+    """A pipeline layer that is an MoE block (a Llama layer whose MLP is an MoEMLP)."""
+    return getattr(spec, "typename", None) is LlamaLayerPipe and is_moe_layer(spec.module_args[0])
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """The hidden states unchanged; in backward, the gradient of a loss term `aux` as well (1, as
+    if it were added to the stage's loss: Megatron's MoEAuxLossAutoScaler). A pipeline stage's
+    backward starts from its output's gradient, so a load-balancing loss made inside the stage
+    gets its gradient this way."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+def with_aux_loss(out, mlp, coef: float):
+    """An MoE block's output carrying coef x its load-balancing loss into the backward (the
+    torch pipelines: the loss the last stage computes has no path to it). The term and the
+    forward's routes are kept in `mlp.pipeline_forwards`, for the logged loss and the router bias."""
+    aux = coef * mlp.aux_loss
+    mlp.pipeline_forwards.append((aux.detach(), mlp.routes.detach()))
+    return _AuxLossGradient.apply(out, aux)
 
 
 def llama_layers(net) -> list:
@@ -216,7 +255,7 @@ def bert_layers(net) -> list:
 
 # --- both ----------------------------------------------------------------------------------
 
-LAYERS = {"gpt2": gpt2_layers, "llama": llama_layers, "bert": bert_layers}
+LAYERS = {"gpt2": gpt2_layers, "llama": llama_layers, "mixtral": llama_layers, "bert": bert_layers}
 
 
 class LMLoss:
@@ -244,12 +283,16 @@ def hf_names(net, family: str) -> dict[int, dict[str, str]]:
     """For each layer index that owns parameters: {name in the layer's state_dict: name in the
     transformers model}. Tied copies (forward_fn) own nothing of their own."""
     canonical = {id(p): name for name, p in net.named_parameters()}  # named_parameters lists a tied one once
+    # and the buffers a checkpoint holds (a mixture of experts' router bias)
+    saved = net.state_dict(keep_vars=True)
+    canonical |= {id(b): name for name, b in net.named_buffers() if name in saved}
     names = {}
     for index, spec in enumerate(pipeline_layers(net, family)):
         if is_tied_copy(spec):
             continue
         layer = spec.build()
-        names[index] = {name: canonical[id(p)] for name, p in layer.named_parameters()}
+        tensors = [*layer.named_parameters(), *layer.named_buffers()]
+        names[index] = {name: canonical[id(t)] for name, t in tensors if id(t) in canonical}
     return names
 
 
@@ -257,7 +300,7 @@ def layer_class_names(family: str, n_layer: int) -> list[str]:
     """The class name of every pipeline layer, in order, without building a model (for checks)."""
     if family == "gpt2":
         return ["GPT2EmbeddingPipe", *["GPT2BlockPipe"] * n_layer, "NormPipe", "GPT2EmbeddingPipe"]
-    if family == "llama":  # untied: the head is a NormPipe (tied, a LlamaEmbeddingPipe: no block either way)
+    if family in ("llama", "mixtral"):  # untied: the head is a NormPipe (tied, a LlamaEmbeddingPipe: no block)
         return ["LlamaEmbeddingPipe", *["LlamaLayerPipe"] * n_layer, "NormPipe", "NormPipe"]
     return ["BertEmbeddingPipe", *["BertLayerPipe"] * n_layer, "NormPipe", "BertEmbeddingPipe", "BiasPipe"]
 

@@ -389,6 +389,16 @@ RULES: list[Rule] = [
         pair=True,
     ),
     Rule(
+        ("moe", "torch_pipeline"),
+        lambda j: on(j, "moe", "torch_pipeline") and _c(j).expert_parallel.size > 1,
+        lambda j: (
+            f"expert_parallel.size={_c(j).expert_parallel.size} with pipeline={_c(j).pipeline.schedule}: a torch "
+            "pipeline's stages hold every expert of their MoE layers; choose expert_parallel.size=1, or "
+            "pipeline=none"
+        ),
+        NotYet("expert parallelism inside pipeline stages"),
+    ),
+    Rule(
         ("moe", "zero"),
         lambda j: on(j, "moe") and _c(j).zero.stage == 0 and _c(j).expert_parallel.size > 1,
         lambda j: (
@@ -399,13 +409,16 @@ RULES: list[Rule] = [
         ),
         Upstream(DS, "ZeRO-0's clip_grad_norm_ reduces the expert norm over the data-parallel group only"),
     ),
-    *_with_pipelines(
-        "moe",
+    Rule(
+        ("moe", "ds_pipeline"),
+        lambda j: on(j, "moe", "ds_pipeline"),
         lambda j: (
-            f"model.family=mixtral with pipeline={_c(j).pipeline.schedule}: DeepSpeed-MoE layers are not split "
-            "into pipeline stages here; choose pipeline=none"
+            f"model.family=mixtral with pipeline={_c(j).pipeline.schedule}: DeepSpeed's PipelineModule does not "
+            "take DeepSpeed-MoE layers here; choose a torch pipeline (pipeline=gpipe, 1f1b_torch, interleaved), or "
+            "pipeline=none"
         ),
-        NotYet("MoE layers as pipeline stages"),
+        NotYet("MoE layers in the stages of DeepSpeed's PipelineModule"),
+        pair=True,
     ),
     Rule(
         ("moe", "autotp"),
