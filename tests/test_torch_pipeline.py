@@ -176,6 +176,40 @@ def test_muon_per_stage_equals_one_process_and_resumes_mid_decay(launch2, refere
     assert after == [(m["step"], m["loss"], m["lr"]) for m in ours[3:]]
 
 
+def test_the_tiled_loss_applies_the_head_tile_by_tile():
+    """trainer.loss_tiles with a torch pipeline: the last stage ends at the final norm and the loss
+    calls the LM head on one tile of the sequence at a time (never the whole micro-batch's
+    logits), with the untiled loss's value and gradients."""
+    from lmrepo.models.pipe import LMLoss, TiledLMLoss
+
+    torch.manual_seed(0)
+    head, shapes = torch.nn.Linear(16, 257, bias=False), []
+    head.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    hidden = torch.randn(2, 32, 16, requires_grad=True)
+    labels = torch.randint(0, 257, (2, 32))
+    tiled = TiledLMLoss(head, 4)(hidden, labels)
+    assert shapes == [(2, 8, 16)] * 4
+    (tiled_grad,) = torch.autograd.grad(tiled, hidden)
+    whole = LMLoss("llama", 257)(head(hidden), labels)
+    (whole_grad,) = torch.autograd.grad(whole, hidden)
+    torch.testing.assert_close(tiled, whole)
+    torch.testing.assert_close(tiled_grad, whole_grad)
+
+
+@pytest.mark.distributed
+def test_tiled_loss_as_the_last_stage_under_fsdp2_equals_one_process(launch2, reference):
+    """trainer.loss_tiles=2 with pipeline=1f1b_torch under FSDP2: the LM head, called by the loss
+    outside its chunk's forward, is an FSDP unit of its own (its call gathers its weight); the
+    losses, gradient norms and evaluation losses equal one untiled process without a pipeline.
+    (The composition matrix runs the pair on DeepSpeed's engine.)"""
+    model = ("model=llama-tiny", "model.n_kv_head=2")
+    run_dir = launch2(*PIPE, *model, "engine=fsdp2", "zero=stage3", "pipeline=1f1b_torch", "trainer.loss_tiles=2")
+    ours, theirs = [[m for m in read_metrics(d) if "loss" in m] for d in (run_dir, reference(*model))]
+    for key in ("loss", "grad_norm"):
+        assert_close([m[key] for m in ours], [m[key] for m in theirs], STEPS_FP32, key)
+    assert_close(eval_loss(run_dir), eval_loss(reference(*model)), STEPS_FP32, "eval loss")
+
+
 # A mixture of experts (4 experts of width 96, top-2, in both blocks) with a weighty load-balancing
 # loss, and with DeepSeek's routing (the router bias moved 0.01 a step, a shared expert) in
 # blocks that recompute in backward

@@ -157,12 +157,14 @@ class Chunk(nn.Module):
     def __init__(self, layers: dict[int, nn.Module]):
         super().__init__()
         self.layers = nn.ModuleDict({str(index): layer for index, layer in layers.items()})
+        self.applied_by_loss: set[str] = set()  # the LM head, where the tiled loss calls it
 
     def forward(self, *inputs):
         # several inputs: (hidden states, position ids) of packed documents (lmrepo.models.pipe)
         hidden = inputs[0] if len(inputs) == 1 else inputs
-        for layer in self.layers.values():
-            hidden = layer(hidden)
+        for index, layer in self.layers.items():
+            if index not in self.applied_by_loss:
+                hidden = layer(hidden)
         return hidden
 
 
@@ -201,11 +203,13 @@ class StageSharding:
     offload: bool = False  # offload=cpu: the shards, their gradients and optimizer states in CPU memory
 
 
-def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Parameter]:
+def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding, head: nn.Module | None = None) -> list[nn.Parameter]:
     """fully_shard each block of this rank's chunks, then each chunk (its embeddings, norms, head).
     A parameter two chunks of this rank share (a V placement's tied embedding: the first and the
     last chunk) stays whole, ignored by FSDP (one parameter cannot belong to two FSDP units): it is
-    returned, its gradient averaged over the data-parallel ranks as without FSDP2."""
+    returned, its gradient averaged over the data-parallel ranks as without FSDP2. `head`: the LM
+    head layer the tiled loss calls outside its chunk's forward, a unit of its own (its call
+    gathers its weight)."""
     owners: dict[int, int] = {}
     for chunk in chunks:
         for param in chunk.parameters():
@@ -225,6 +229,8 @@ def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding) -> list[nn.Para
             if module in sharding.blocks:
                 if sharding.tp_mesh is not None:
                     parallelize_block(module, sharding.tp_mesh, sharding.tp_plan)
+                fully_shard(module, **policy)
+            elif module is head:
                 fully_shard(module, **policy)
         fully_shard(chunk, **policy)
     return shared
@@ -285,6 +291,7 @@ class TorchPipelineEngine:
         layout: ParallelLayout,
         sharding: StageSharding | None = None,
         moe: dict | None = None,
+        loss_tiles: int = 1,
     ):
         self.device = torch.device(get_accelerator().current_device_name())
         self.stages, virtual = layout.pp, pipeline.virtual_stages
@@ -315,9 +322,14 @@ class TorchPipelineEngine:
         self.chunks.to(self.device)
         self.layers = {int(i): layer for chunk in self.chunks for i, layer in chunk.layers.items()}
         non_reentrant_checkpointing(self.chunks)
+        # trainer.loss_tiles: the last stage ends at the final norm; the loss applies the head by tiles
+        head = self.layers.get(len(layers) - 1) if loss_tiles > 1 else None
+        if head is not None:
+            next(c for c in self.chunks if head in c.layers.values()).applied_by_loss.add(str(len(layers) - 1))
+            self.loss = pipe.TiledLMLoss(head, loss_tiles)
         self.sharding = sharding
         # parameters every data-parallel rank holds whole: all of them without FSDP2
-        self.whole_params = shard_chunks(self.chunks, sharding) if sharding else list(self.chunks.parameters())
+        self.whole_params = shard_chunks(self.chunks, sharding, head) if sharding else list(self.chunks.parameters())
         if sharding and dist.get_rank() == 0:
             split = f", each block split over {layout.tp} tensor-parallel ranks" if layout.tp > 1 else ""
             print(f"FSDP2: each stage fully_shard'ed over its {self.dp} data-parallel ranks{split}", flush=True)
@@ -672,4 +684,5 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
         layout,
         sharding,
         getattr(net.config, "moe", None),
+        config.trainer.loss_tiles,
     )

@@ -269,6 +269,22 @@ class LMLoss:
         return self.function(logits, labels, self.vocab_size)
 
 
+class TiledLMLoss:
+    """The causal LM loss with the LM head applied one chunk of the sequence at a time
+    (trainer.loss_tiles; lmrepo.models.causal_loss): the last stage ends at the final norm, and the
+    loss calls the head layer, a module, on each tile, so no step holds the whole micro-batch's
+    logits. The mean over the scored tokens, as LMLoss."""
+
+    def __init__(self, head: nn.Module, tiles: int):
+        self.head, self.tiles = head, tiles
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from lmrepo.models.causal_loss import IGNORE, loss_sum, shifted
+
+        targets = shifted(labels)
+        return loss_sum(self.head, hidden, targets, self.tiles) / (targets != IGNORE).sum()
+
+
 def is_tied_copy(spec) -> bool:
     """A TiedLayerSpec that computes with forward_fn (the LM head): it reuses the module of its
     key's first layer and owns nothing of its own, so it has no checkpoint file (as DeepSpeed)."""

@@ -295,13 +295,16 @@ RULES: list[Rule] = [
         lambda j: f"{_tiles(j)} tiles a causal LM's loss, not model.family=bert's masked one: set trainer.loss_tiles=1",
         NotYet("a tiled masked-LM loss"),
     ),
-    *_with_pipelines(
-        "tiled_loss",
+    Rule(
+        ("tiled_loss", "ds_pipeline"),
+        lambda j: on(j, "tiled_loss", "ds_pipeline"),
         lambda j: (
-            f"{_tiles(j)} does not combine with pipeline={_c(j).pipeline.schedule} (its last stage computes the "
-            "loss in the pipeline's layer list): set trainer.loss_tiles=1"
+            f"{_tiles(j)} does not combine with pipeline={_c(j).pipeline.schedule} (DeepSpeed's PipelineModule "
+            "computes the loss from its last layer's whole logits): set trainer.loss_tiles=1, or choose a torch "
+            "pipeline (pipeline=gpipe, 1f1b_torch, interleaved), whose last stage applies the head by tiles"
         ),
-        NotYet("the tiled loss as the pipeline's last stage"),
+        NotYet("the tiled loss as the last stage of DeepSpeed's PipelineModule"),
+        pair=True,
     ),
     # --- sequence parallelism (Ulysses)
     Rule(
