@@ -134,7 +134,7 @@ def test_sequence_parallel_config_and_refusals():
         (["sequence_parallel.size=0"], 1, "sequence_parallel.size=0 must be >= 1"),
         (["trainer.loss_tiles=0"], 1, "trainer.loss_tiles=0 must be >= 1"),
         (["model=bert-tiny", "trainer.loss_tiles=2"], 1, "trainer.loss_tiles=2 tiles a causal LM's loss"),
-        (["trainer.loss_tiles=2", "pipeline=gpipe", "pipeline.stages=2"], 2, "trainer.loss_tiles=2 does not combine"),
+        (["trainer.loss_tiles=2", "pipeline=1f1b", "pipeline.stages=2"], 2, "trainer.loss_tiles=2 does not combine"),
     ]  # fmt: skip
     for overrides, world, message in refusals:
         error = ds_or_error(overrides, world)

@@ -338,26 +338,10 @@ class TorchPipelineEngine:
         watch_torch_stages(self.timeline, self.schedule, stages)
         self.last_bubble: float | None = None
         self.eval_schedules = {}  # micro-batch count -> a forward-only schedule over stages of its own
-        # Evaluation: any schedule of the same placement will do, run forward only: LoopedBFS takes
-        # any micro-batch count. A V runs ZB-V's schedule with its backward (its gradients dropped:
-        # the next step zeroes them): torch's runtime hands a V's turn (chunk p-1 to p, same rank)
-        # through the backward, and refuses a forward-only schedule (every stage needs backward actions).
-        self.v_placement = pipeline.schedule in V_SCHEDULES
-        self.eval_kind = (
-            ScheduleZBVZeroBubble
-            if self.v_placement
-            else ScheduleGPipe
-            if len(self.chunk_ids) == 1
-            else ScheduleLoopedBFS
-        )
-
+        self.v_placement, self.eval_kind = self._evaluation(pipeline.schedule)
         self.tied = self._tied_groups()
         self.moe_settings = moe or {}  # a mixture of experts' keys (its transformers config's `moe`)
-        # A mixture of experts: its MoE layers by their row among the whole model's (every stage
-        # numbers them alike), and this rank's of them
-        moe_indices = [i for i, spec in enumerate(layers) if is_moe_spec(spec)]
-        self.moe_rows = {index: row for row, index in enumerate(moe_indices)}
-        self.moe_layers = {self.moe_rows[i]: layer.layer.mlp for i, layer in self.layers.items() if i in self.moe_rows}
+        self.moe_rows, self.moe_layers = self._moe_layers()
         self.optimizer = torch_optimizer(param_groups(self.chunks, optimizer.weight_decay), optimizer, self.chunks)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
         self.lr_scheduler = build_scheduler(self.optimizer, scheduler)
@@ -366,6 +350,24 @@ class TorchPipelineEngine:
         self.last_grad_norm: float | None = None
 
     # --- pieces of __init__
+
+    def _evaluation(self, schedule: str) -> tuple[bool, type]:
+        """(whether evaluation runs with the backward, the schedule it runs). Any schedule of the
+        same placement will do, run forward only: LoopedBFS takes any micro-batch count. A V, or
+        two chunks of one stage on one rank (pipeline.stages=1), runs ZB-V's schedule with its
+        backward (its gradients dropped: the next step zeroes them): torch's runtime hands a turn
+        from chunk p-1 to p on the same rank through the backward, and refuses a forward-only
+        schedule there ("can't steal_bwd_input if this stage doesn't have backward")."""
+        if schedule in V_SCHEDULES or self.placement == [0, 0]:
+            return True, ScheduleZBVZeroBubble
+        return False, ScheduleGPipe if len(self.chunk_ids) == 1 else ScheduleLoopedBFS
+
+    def _moe_layers(self) -> tuple[dict[int, int], dict[int, nn.Module]]:
+        """A mixture of experts: (each MoE layer's row among the whole model's, by its layer index:
+        every stage numbers them alike; this rank's MoE MLPs by their row)."""
+        indices = [i for i, spec in enumerate(self.layer_specs) if is_moe_spec(spec)]
+        rows = {index: row for row, index in enumerate(indices)}
+        return rows, {rows[i]: layer.layer.mlp for i, layer in self.layers.items() if i in rows}
 
     def _schedule(self, schedule_class, micro_batches: int) -> tuple:
         """(the schedule over this rank's chunks, their PipelineStages)."""

@@ -97,9 +97,17 @@ class Watchdog:
         text = str(err)
         if not any(sign in text for sign in ("Timed out", "Connection reset", "Connection closed", "timeout")):
             return None
-        cause = "a collective timed out" if "imed out" in text or "timeout" in text else "a peer rank died"
+        died = not ("imed out" in text or "timeout" in text)
+        found = self.laggards()
+        # A peer's sockets close while the kernel tears its process down, before /proc shows it
+        # gone: a lost connection gives the dead rank a few seconds to show as gone
+        deadline = time.monotonic() + 5
+        while died and not found and time.monotonic() < deadline:
+            time.sleep(0.2)
+            found = self.laggards()
+        cause = "a peer rank died" if died else "a collective timed out"
         return (
-            f"{cause} after step {self.step}: {self.laggards() or 'every rank reached the same step'} "
+            f"{cause} after step {self.step}: {found or 'every rank reached the same step'} "
             f"(run.hang_timeout_s={self.timeout_s:g})"
         )
 
