@@ -91,7 +91,7 @@ from lmrepo.engines.layer_files import (
 from lmrepo.engines.pipeline_timeline import Timeline, watch_torch_stages
 from lmrepo.engines.recompute import enable_activation_checkpointing
 from lmrepo.models import build_model, pipe, transformer_blocks
-from lmrepo.models.mixtral import balance_layers, routes_record
+from lmrepo.models.mixtral import balance_layers, layers_record
 from lmrepo.models.pipe import is_moe_spec, is_tied_copy
 from lmrepo.optim.optimizer import param_groups, torch_optimizer
 from lmrepo.optim.schedules import build_scheduler
@@ -467,8 +467,8 @@ class TorchPipelineEngine:
     def train_batch(self, data_iter) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._run(self.schedule, data_iter, self.micro_batches, train=True)  # grads: sum over micro-batches
-        terms = self._moe_forwards() if self.moe_rows else {}
         if self.moe_rows:
+            terms = self._moe_forwards()
             loss = loss + self._moe_aux(terms)
         self._measure_bubble()
         self._scale_gradients()  # the mean over micro-batches
@@ -508,19 +508,11 @@ class TorchPipelineEngine:
         return (local / (self.micro_batches * self.dp * self.tp)).float()
 
     def _moe_record(self) -> dict:
-        """The metrics-line figures of a mixture of experts (lmrepo.models.mixtral.routes_record) for
-        the last micro-batch, from every stage's layers: rows of the whole model's, summed over the
-        ranks (the replicas' routes add up; a tensor-parallel group's ranks route the same tokens)."""
-        rows, experts = len(self.moe_rows), self.moe_settings["experts"]
-        packed = torch.zeros(2 + rows * experts, dtype=torch.float64, device=self.device)
-        for row, mlp in self.moe_layers.items():
-            packed[0] += self.moe_settings["aux_loss_coef"] * mlp.aux_loss.detach().double()
-            packed[1] += mlp.dropped.double()
-            packed[2 + row * experts : 2 + (row + 1) * experts] = mlp.routes.double()
-        dist.all_reduce(packed)
-        packed /= self.tp
-        aux, dropped, routes = packed[0] / self.dp, packed[1], packed[2:].view(rows, experts)
-        return routes_record(routes, dropped, aux.item(), self.moe_settings["drop_tokens"])
+        """The metrics-line figures of a mixture of experts for the last micro-batch, from every
+        stage's layers (lmrepo.models.mixtral.layers_record): each layer held by a replica's
+        data x tensor ranks, whose tensor-parallel groups route the same tokens."""
+        rows = len(self.moe_rows)
+        return layers_record(self.moe_layers, rows, self.moe_settings, self.device, None, self.dp * self.tp, self.tp)
 
     def eval_batch(self, data_iter, num_micro_batches: int) -> torch.Tensor:
         if num_micro_batches not in self.eval_schedules:

@@ -14,6 +14,7 @@ scores picks the experts; the engines move it after each step from the load the 
 `shared_experts=N` (an MLP every token passes through beside its routed experts)."""
 
 import copy
+import functools
 import os
 
 import torch
@@ -56,6 +57,7 @@ def is_moe_block(index: int, every: int) -> bool:
     return (index + 1) % every == 0
 
 
+@functools.cache
 def _aux_free_gate_class():
     # deepspeed is imported on first use (see MoEMLP)
     from deepspeed.moe.sharded_moe import TopKGate, top1gating, top2gating, topkgating
@@ -307,35 +309,49 @@ def balance_layers(
 
 
 def moe_record(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict:
-    """The metrics-line figures of the last training forward, over the ranks of `group` (default:
-    every rank; a collective: each of them calls it): the load-balancing term added to the loss,
-    routes per expert summed over the MoE layers, the busiest expert's load over the mean in the
-    least balanced layer (1 = balanced), and with token dropping the fraction of routes dropped.
-    {} for a dense model."""
+    """The metrics-line figures of the whole model's last training forward (layers_record), over
+    the ranks of `group` (default: every rank; a collective). {} for a dense model."""
     if not isinstance(model, MixtralStyleForCausalLM) or model.last_aux_loss is None:
         return {}
     layers = model.moe_layers()
     device = model.last_aux_loss.device  # the backend's device (NCCL reduces CUDA tensors only)
-    routes = torch.stack([mlp.routes for mlp in layers]).double().to(device)  # [layers, experts]
-    dropped = torch.stack([mlp.dropped for mlp in layers]).sum().double().to(device)
-    packed = torch.cat([model.last_aux_loss.double().reshape(1), dropped.reshape(1), routes.flatten()])
+    return layers_record(dict(enumerate(layers)), len(layers), model.config.moe, device, group)
+
+
+def layers_record(
+    layers: dict[int, MoEMLP],
+    rows: int,
+    moe: dict,
+    device,
+    group: dist.ProcessGroup | None = None,
+    replicas: int | None = None,
+    copies: int = 1,
+) -> dict:
+    """The metrics-line figures of the last training forward of the MoE layers `layers` (this
+    rank's, by their row among the model's `rows`; a pipeline stage holds some, or none), over the
+    ranks of `group` (default: every rank; a collective: each calls it): the load-balancing term
+    added to the loss (the mean over the `replicas` ranks that hold each layer: default all of
+    `group`), routes per expert summed over the layers and ranks (`copies`: how many ranks route
+    the same tokens, a tensor-parallel group, counted once), the busiest expert's load over the
+    mean in the least balanced layer (1 = balanced), and with token dropping the fraction of
+    routes dropped. `moe`: the model's keys (its transformers config's `moe`)."""
+    experts = moe["experts"]
+    packed = torch.zeros(2 + rows * experts, dtype=torch.float64, device=device)
+    for row, mlp in layers.items():
+        packed[0] += moe["aux_loss_coef"] * mlp.aux_loss.detach().double()
+        packed[1] += mlp.dropped.double()
+        packed[2 + row * experts : 2 + (row + 1) * experts] = mlp.routes.double()
     world = 1
     if dist.is_initialized():
         world = dist.get_world_size(group)
         dist.all_reduce(packed, group=group)
-    aux, dropped, routes = packed[0] / world, packed[1], packed[2:].view(len(layers), -1)
-    return routes_record(routes, dropped, aux.item(), layers[0].moe.deepspeed_moe.gate.drop_tokens)
-
-
-def routes_record(routes: torch.Tensor, dropped: torch.Tensor, aux: float, drop_tokens: bool) -> dict:
-    """The metrics-line figures from the routes per (MoE layer, expert) and the dropped routes,
-    summed over the ranks, and the load-balancing term."""
+    aux, dropped, routes = packed[0] / (replicas or world), packed[1] / copies, packed[2:].view(rows, experts) / copies
     record = {
-        "aux_loss": aux,
+        "aux_loss": aux.item(),
         "expert_tokens": [int(n) for n in routes.sum(0).tolist()],
         "expert_load_max": (routes.max(1).values / routes.mean(1)).max().item(),
     }
-    if drop_tokens:
+    if moe["drop_tokens"]:
         record["dropped_frac"] = (dropped / routes.sum()).item()
     return record
 

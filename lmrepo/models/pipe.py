@@ -118,6 +118,7 @@ class LlamaLayerPipe(nn.Module):
     def __init__(self, layer, rotary_emb, config):
         super().__init__()
         self.layer, self.rotary_emb, self.config = layer, rotary_emb, config
+        self.moe = is_moe_layer(layer)  # a mixture of experts' block: its load-balancing loss rides on the output
 
     def forward(self, inputs):
         hidden, positions = with_positions(inputs)
@@ -137,7 +138,7 @@ class LlamaLayerPipe(nn.Module):
             use_cache=False,
             position_embeddings=self.rotary_emb(hidden, position_ids=positions),
         )
-        if self.training and is_moe_layer(self.layer):
+        if self.training and self.moe:
             out = with_aux_loss(out, self.layer.mlp, self.config.moe["aux_loss_coef"])
         return (out, positions) if given else out
 
