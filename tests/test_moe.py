@@ -206,9 +206,8 @@ def test_the_aux_free_gate_with_a_zero_bias_is_deepspeeds_gate(top_k, drop):
     top-2 and top-k gating: with a zero bias (and the same load-balancing weight) its loss, router
     gradient and dropped routes are DeepSpeed's gate's, for every k, with and without dropping
     (at top_k > 2 with dropping, DeepSpeed's capacity keeps the routes of the highest
-    probabilities, the aux-free gate's those of the highest biased scores: not compared). The
-    router's gradient is a sum over the same terms in another order for k = 3 (the renormalising
-    sum over the kept routes): within fp32 rounding of a few terms."""
+    probabilities, the aux-free gate's those of the highest biased scores: not compared), within
+    the rounding of two short sums taken in another order (below)."""
     from lmrepo.models.mixtral import balance_experts
 
     words = [f"model.moe.top_k={top_k}", f"model.moe.drop_tokens={str(drop).lower()}", "model.moe.capacity_factor=0.5"]
@@ -217,10 +216,15 @@ def test_the_aux_free_gate_with_a_zero_bias_is_deepspeeds_gate(top_k, drop):
     losses = [model(input_ids=ids, labels=ids).loss for model in (plain, aux_free)]
     for loss in losses:
         loss.backward()
-    assert losses[0].item() == losses[1].item()
+    # The two gates add the same numbers in another order in two short sums (the renormalising
+    # sum over k routes, the balancing loss's over the experts): a token's weights and the loss by
+    # a rounding or so. The loss is a mean over 4 x 32 tokens and each router gradient a sum over
+    # them: within reordered_sum(128) = 2.7e-6, by the gradient's norm (an element may cancel).
+    # Measured here: equal to the last bit for k <= 2; k = 3's router gradients 3.3e-7 (8x inside).
+    tokens = ids.numel()
+    assert_close(losses[1].item(), losses[0].item(), reordered_sum(tokens), "loss")
     routers = [[layer.mlp.moe.deepspeed_moe.gate.wg.weight.grad for layer in m.model.layers] for m in (plain, aux_free)]
-    for a, b in zip(*routers):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
+    assert_close(routers[1], routers[0], reordered_sum(tokens), "router gradients")
     dropped = [[int(layer.mlp.dropped) for layer in m.model.layers] for m in (plain, aux_free)]
     assert dropped[0] == dropped[1] and (sum(dropped[0]) > 0) == drop
 

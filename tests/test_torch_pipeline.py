@@ -20,7 +20,7 @@ from lmrepo.engines.torch_pipeline import partition, tied_owner
 from lmrepo.models import build_model, pipe
 from lmrepo.models.pipe import is_tied_copy
 from lmrepo.plan.compose import compose_config
-from numerics import STEPS_FP32, assert_close
+from numerics import STEPS_FP32, assert_close, reordered_sum
 
 PIPE = ("trainer.grad_accum=2", "precision=fp32")  # 2 micro-batches: at least one per stage
 LAYERS4 = ("model.n_layer=4",)  # interleaved: 2 ranks x 2 chunks, each chunk a transformer layer
@@ -192,8 +192,11 @@ def test_the_tiled_loss_applies_the_head_tile_by_tile():
     (tiled_grad,) = torch.autograd.grad(tiled, hidden)
     whole = LMLoss("llama", 257)(head(hidden), labels)
     (whole_grad,) = torch.autograd.grad(whole, hidden)
-    torch.testing.assert_close(tiled, whole)
-    torch.testing.assert_close(tiled_grad, whole_grad)
+    # the same head and cross-entropy on the same rows, in two tile shapes: a kernel may block the
+    # head's matmul otherwise, and each token's softmax sums the 257-entry vocabulary: within
+    # reordered_sum(257) = 3.8e-6, the gradient by its norm
+    assert_close(tiled.item(), whole.item(), reordered_sum(257), "loss")
+    assert_close(tiled_grad, whole_grad, reordered_sum(257), "gradient")
 
 
 # One stage of two chunks on each of 2 data-parallel ranks (one micro-batch each: the global batch
