@@ -204,13 +204,16 @@ class ShardArithmetic:
     rank's parameters (fsdp2_rank_parameters' split), each cut as torch cuts it: by tensor
     parallelism first (Shard(0) over the tp ranks for a column-wise linear and a vocabulary-split
     head, Shard(1) for a row-wise linear's weight), then fully_shard's Shard(0) of what is left over
-    the rank's dp_shard ranks; both in torch.chunk's pieces (shard_rows). A weight two of the rank's
+    the rank's dp_shard ranks (times its sequence-parallel ranks: layout.shards), an expert's over
+    the ranks that hold it; both in torch.chunk's pieces (shard_rows). A weight two of the rank's
     chunks share stays whole. `net`: meta_model's."""
 
     def __init__(self, net: torch.nn.Module, config, layout):
         self.layout = layout
         self.styles = _tp_styles(net, config, layout)
         self.stages = _stage_parameters(net, config, layout)
+        self.experts = expert_indices(net)  # a parameter's expert, by its global index
+        self.expert_count = len(set(self.experts.values()))
 
     def copies(self, param) -> int:
         """On how many ranks of one replica a parameter's pieces add up to it once: tp for a
@@ -227,12 +230,29 @@ class ShardArithmetic:
                 shape[0] = shard_rows(shape[0], layout.tp, where["tp"])
             elif style == "rowwise":
                 shape[1] = shard_rows(shape[1], layout.tp, where["tp"])
-            if sharded:
-                shape[0] = shard_rows(shape[0], layout.dp_shard, where["dp_shard"])
+            if id(p) in self.experts and layout.ep > 1:
+                # expert parallelism: the experts of the rank's ep share, sharded over the edp ranks
+                edp_rank, ep_rank = divmod(where["dp_shard"], layout.ep)
+                if self.experts[id(p)] // (self.expert_count // layout.ep) != ep_rank:
+                    return 0
+                shape[0] = shard_rows(shape[0], layout.dp_shard // layout.ep, edp_rank)
+            elif sharded:
+                shape[0] = shard_rows(shape[0], layout.shards, layout.shard_index(rank))
             return math.prod(shape)
 
         sharded, whole = self.stages[layout.stage(rank)]
         return sum(local(p, True) for p in sharded) + sum(local(p, False) for p in whole)
+
+
+def expert_indices(net: torch.nn.Module) -> dict[int, int]:
+    """Each expert parameter of a mixture of experts (built with every expert), by id: its
+    expert's global index."""
+    found = {}
+    for name, param in net.named_parameters():
+        head, marker, tail = name.partition(".deepspeed_experts.")
+        if marker:
+            found[id(param)] = int(tail.split(".", 1)[0])
+    return found
 
 
 def _tp_styles(net: torch.nn.Module, config, layout) -> dict[int, str]:
@@ -306,7 +326,7 @@ def planned_shards(config, layout, ranks: list[int]) -> list[PlannedRank]:
     for rank in ranks:
         dist.init_process_group("fake", rank=rank, world_size=layout.world, store=FakeStore())
         try:
-            params = _parallelized_parameters(config, layout, layout.mesh("cpu"), layout.stage(rank))
+            params = _parallelized_parameters(config, layout, layout.mesh("cpu"), rank)
             held = sum(local(p).numel() for p in params)
         finally:
             dist.destroy_process_group()
@@ -314,9 +334,10 @@ def planned_shards(config, layout, ranks: list[int]) -> list[PlannedRank]:
     return planned
 
 
-def _parallelized_parameters(config, layout, mesh, stage: int) -> list:
+def _parallelized_parameters(config, layout, mesh, rank: int) -> list:
     """This rank's parameters once the engine has parallelized the model (the meta device's)."""
-    net = meta_model(config.model)
+    net = meta_model(config.model, layout.ep, layout.ep_rank(rank))
+    stage = layout.stage(rank)
     if config.pipeline.engine != "torch":
         from lmrepo.engines import fsdp2
 

@@ -91,7 +91,8 @@ def prepare_job(job: Plan, run_dir: Path):
                 "or export it (scripts/export_hf.py RUN OUT) and start from model.pretrained=OUT"
             )
         saved_ep = (resume.config.get("expert_parallel") or {}).get("size", 1)
-        if saved_ep != config.expert_parallel.size:
+        # engine=fsdp2's checkpoints name each expert by its global index, and DCP reshards them
+        if saved_ep != config.expert_parallel.size and config.engine.name != "fsdp2":
             raise ConfigError(
                 f"this checkpoint was saved with expert_parallel.size={saved_ep}, this run has "
                 f"expert_parallel.size={config.expert_parallel.size}: resume with expert_parallel.size={saved_ep} (its "

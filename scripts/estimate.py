@@ -205,16 +205,16 @@ def print_fsdp2_states(job: Job, net) -> None:
     else:  # what FSDP2 would hold over this job's data-parallel ranks
         layout = ParallelLayout(world=job.dp, dp_shard=job.dp)
         ranks = [estimate.RankParameters(estimate.count_parameters(net))]
-    worst = max(range(len(ranks)), key=lambda stage: ranks[stage].per_rank(layout.dp_shard))
+    worst = max(range(len(ranks)), key=lambda stage: ranks[stage].per_rank(layout.shards))
     held = ranks[worst]
     where = f"; pipeline rank {worst} of {layout.pp}, the largest" if len(ranks) > 1 else ""
     print(f"\nModel states per rank under engine=fsdp2 ({dtype}; {layout.describe()}{where}), GiB")
-    before, after = held.per_rank(1), held.per_rank(layout.dp_shard)
+    before, after = held.per_rank(1), held.per_rank(layout.shards)
     print(f"  {before:,.0f} parameters on the rank before sharding, {after:,.0f} after")
     print(f"  {'layout':<16}{'offload':<9}{'GPU':>9}{'CPU':>9}{'CPU/node':>10}")
     for stage, keep in ((3, False), (2, True)):
         for off in ("none", "cpu"):
-            ours = estimate.fsdp2_state_bytes(held.sharded, layout.dp_shard, dtype, off, keep_gathered=keep)
+            ours = estimate.fsdp2_state_bytes(held.sharded, layout.shards, dtype, off, keep_gathered=keep)
             if held.whole:  # a weight two of the rank's chunks share: FSDP2 leaves it whole, on the device
                 whole = estimate.fsdp2_state_bytes(held.whole, 1, dtype).gpu
                 ours = estimate.ModelStates(ours.gpu + whole, ours.cpu, 0.0)

@@ -16,9 +16,9 @@ technique claims:
 - moe (expert parallelism), DeepSeek's routing (deepseek_moe: the aux-free router bias and a
   shared expert, with expert parallelism too) and document masking change the model or the loss:
   never dropped; moe + document masking compares expert_parallel.size=2 with 1 (expert parallelism claims
-  equality). engine=fsdp2 runs the experts without expert parallelism (each sharded over the
-  data-parallel ranks): moe + fsdp2 is FSDP2 with expert_parallel.size=1 against DeepSpeed's
-  ZeRO-1 with 2.
+  equality). moe + fsdp2 is FSDP2's expert parallelism (the experts split over the 2 ranks on
+  its mesh) against DeepSpeed-MoE's, with ZeRO-1; with a torch pipeline or tensor parallelism the
+  experts are not split (expert_parallel.size=1).
 - compile: a pair with compile is compared with the same pair uncompiled, each compiled by the
   backend that reaches where the two meet and no further (COMPILE_BACKEND). Where compile meets a
   layout (FSDP2, ZeRO-3, offload, torch's pipeline, tensor, sequence and expert parallelism):
@@ -182,8 +182,9 @@ def overrides(*axes: str) -> list[str]:
     if "muon" in axes and stages and max(stages) > 0 and "fsdp2" not in axes:
         words.append("trainer.grad_clip=0")
     moe = bool({"moe", "deepseek_moe"} & set(axes))
-    # FSDP2 shards each expert over its ranks, a torch pipeline's stage holds its layers' experts: no expert parallelism
-    if moe and ({"fsdp2", "torch_pipeline"} & set(axes)):
+    # a torch pipeline's stage holds its layers' experts, and tensor parallelism over the 2 ranks
+    # leaves one data-parallel rank: no expert parallelism (FSDP2 splits the experts as DeepSpeed does)
+    if moe and ({"torch_pipeline", "autotp"} & set(axes)):
         words = [w.replace("expert_parallel.size=2", "expert_parallel.size=1") for w in words]
     if compile_backend(*axes) not in (None, "inductor"):  # inductor is trainer.compile_backend's default
         words.append(f"trainer.compile_backend={compile_backend(*axes)}")

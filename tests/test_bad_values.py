@@ -89,7 +89,7 @@ CASES = [
     ("model=mixtral-tiny model.moe.top_k=9", "model.moe.top_k=9"),
     ("model=mixtral-tiny model.moe.capacity_factor=0", "model.moe.capacity_factor=0"),
     ("model=mixtral-tiny zero=stage3", "zero=stage3"),
-    ("model=mixtral-tiny engine=fsdp2 expert_parallel.size=2", "choose expert_parallel.size=1"),
+    ("model=mixtral-tiny engine=fsdp2 expert_parallel.size=2", "does not divide the 1 data-parallel rank(s)"),
     ("model=mixtral-tiny tp=auto tp.size=2", "tp=none"),
     ("model=mixtral-tiny pipeline=1f1b", "choose a torch pipeline"),
     ("model=mixtral-tiny pipeline=gpipe expert_parallel.size=2", "choose expert_parallel.size=1"),

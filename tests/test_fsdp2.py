@@ -274,6 +274,17 @@ TP_LINEARS_4 = (*TP_4, "tp.sequence_parallel=false", "tp.loss_parallel=false")  
 # over the tokens of one forward, so two sequences in one would be another loss.
 MOE_4 = (*composition.overrides("fsdp2", "moe"), "model.moe.every=2", "trainer.micro_batch_size=1", STEPS)
 MOE_TP_4 = (*composition.overrides("fsdp2", "moe", "autotp"), "model.moe.every=2", "trainer.micro_batch_size=1", STEPS)
+# Expert parallelism on the mesh: the experts split over pairs of data-parallel shards (each
+# expert sharded over the 2 ranks that hold it), over the 2 shards of each of 2 replicas (HSDP:
+# each rank holds its experts whole), and over the 2 data-parallel ranks of a 2 x 2 data x tensor
+# mesh (each tensor-parallel rank dispatches its own copy of the tokens)
+EP = "expert_parallel.size=2"
+MOE_EP_4, MOE_EP_HSDP_4, MOE_EP_TP_4 = (*MOE_4, EP), (*MOE_4, "engine.replicate=2", EP), (*MOE_TP_4, EP)
+# Ulysses sequence parallelism under fully_shard: 2 data-parallel ranks x 2 sequence-parallel ranks
+# (each holding half of every sequence; FSDP2 shards over all 4), and as HSDP (2 replicas, each one
+# sequence-parallel pair sharding between them)
+SP_4 = (*FSDP2_4, "sequence_parallel.size=2")
+SP_HSDP_4 = (*SP_4, "engine.replicate=2")
 PP_4 = (*composition.overrides("fsdp2", "torch_pipeline"), "trainer.micro_batch_size=1", STEPS)
 PP_1F1B_4 = (*PP_4, "pipeline=1f1b_torch", "zero=stage2", "checkpointing=full")
 PP_TP_4 = (*composition.overrides("fsdp2", "torch_pipeline", "autotp"), "trainer.micro_batch_size=1", STEPS)
@@ -283,7 +294,7 @@ MUON = tuple(composition.OVERRIDES["muon"])
 MUON_4, MUON_HSDP_4, MUON_TP_4 = ((*layout, *MUON) for layout in (FSDP2_4, HSDP_4, TP_4))
 # and on the mixture of experts: its experts and routers cut over 4 ranks, or whole on each
 # tensor-parallel rank and cut over 2 (attention and the dense MLP split by tensor parallelism)
-MOE_MUON_4, MOE_MUON_TP_4 = ((*layout, *MUON) for layout in (MOE_4, MOE_TP_4))
+MOE_MUON_4, MOE_MUON_TP_4, MOE_MUON_EP_4 = ((*layout, *MUON) for layout in (MOE_4, MOE_TP_4, MOE_EP_4))
 # One stage of two looped chunks over 4 data-parallel ranks, embeddings tied: both chunks of a rank
 # hold the one embedding matrix, which FSDP2 cannot put in two units
 TIED = "model.tie_embeddings=true"
@@ -312,9 +323,17 @@ EIGHT_RANKS["tensor, bf16"] = [*EIGHT_RANKS["tensor"], "precision=bf16", SHORT]
 # layer, whole tensors by name) loads into any split and into a model without a pipeline; DCP's
 # (every layout without a pipeline) reshards on load.
 SAVE_AT = 3
-SAVED_4 = [HSDP_4, TP_4, PP_4, PP_TP_4, MOE_TP_4, MUON_TP_4]  # FSDP2 over all ranks: test_fsdp2_resumes_bit_for_bit
-# (the layout that saved, the one that resumes)
-RESHARDED_4 = [(TP_4, FSDP2_4), (PP_TP_4, TP_4), (PP_4, HSDP_4), (MOE_TP_4, MOE_4)]
+# FSDP2 over all ranks: test_fsdp2_resumes_bit_for_bit
+SAVED_4 = [HSDP_4, TP_4, PP_4, PP_TP_4, MOE_TP_4, MOE_EP_4, SP_4, MUON_TP_4]
+# (the layout that saved, the one that resumes); the experts' checkpoints across expert-parallel sizes
+RESHARDED_4 = [
+    (TP_4, FSDP2_4),
+    (PP_TP_4, TP_4),
+    (PP_4, HSDP_4),
+    (MOE_TP_4, MOE_EP_4),
+    (MOE_EP_4, MOE_4),
+    (SP_4, HSDP_4),
+]
 # 2 x 2 -> 4 x 1 -> 1 rank: the 4 x 1 run that resumed the tensor-parallel checkpoint saves again here
 CHAIN_AT = 4
 SAVED_8 = ["flat", "replicas", "tensor"]
@@ -370,8 +389,13 @@ def four_ranks(tmp_path_factory) -> Probed:
         HSDP_4,
         TP_4,
         TP_LINEARS_4,
+        SP_4,
+        SP_HSDP_4,
         MOE_4,
         MOE_TP_4,
+        MOE_EP_4,
+        MOE_EP_HSDP_4,
+        MOE_EP_TP_4,
         PP_4,
         PP_1F1B_4,
         PP_TP_4,
@@ -384,6 +408,7 @@ def four_ranks(tmp_path_factory) -> Probed:
         MUON_TP_4,
         MOE_MUON_4,
         MOE_MUON_TP_4,
+        MOE_MUON_EP_4,
     ]
     resumes = [(layout, layout) for layout in SAVED_4] + RESHARDED_4 + [(MUON_TP_4, MUON_4)]
     return run_probe(tmp_path_factory.mktemp("four_ranks"), 4, layouts, resumes)
@@ -492,15 +517,16 @@ def test_hsdp_across_two_torchrun_nodes_equals_fsdp2_over_4_ranks(four_ranks, tm
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "layout, reference",
-    [(MUON_HSDP_4, MUON_4), (MUON_TP_4, MUON_4), (MOE_MUON_TP_4, MOE_MUON_4)],
-    ids=["hsdp", "tensor-parallel", "experts"],
+    [(MUON_HSDP_4, MUON_4), (MUON_TP_4, MUON_4), (MOE_MUON_TP_4, MOE_MUON_4), (MOE_MUON_EP_4, MOE_MUON_4)],
+    ids=["hsdp", "tensor-parallel", "experts", "expert-parallel"],
 )
 def test_muon_on_sharded_matrices_trains_as_muon_under_fsdp2(four_ranks, layout, reference):
     """optimizer=muon under HSDP (2 replicas x 2 shards) and under FSDP2 x tensor parallelism (each
     matrix cut over 2 data-parallel and 2 tensor-parallel ranks) trains as under FSDP2 over 4 ranks,
     which composition's pair checks against DeepSpeed's Muon: every matrix's update orthogonalised
     whole, whatever cuts it. So does a mixture of experts, its experts and routers in the Muon half
-    (whole on each tensor-parallel rank and cut over 2, against cut over 4). Orthogonalising each
+    (whole on each tensor-parallel rank and cut over 2, or split by expert parallelism, against cut
+    over 4). Orthogonalising each
     rank's piece alone moves the second loss by ~1e-3 here. After the first update the losses are
     held to composition's Muon tolerance (its Newton-Schulz runs in bf16, where gradients summed in
     another order can round otherwise). The
@@ -535,6 +561,19 @@ def test_fsdp2_tensor_parallel_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_rank
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("sequence_parallel", [SP_4, SP_HSDP_4], ids=["fsdp2", "hsdp"])
+def test_sequence_parallel_under_fully_shard_equals_fsdp2_over_4_ranks(four_ranks, sequence_parallel):
+    """engine=fsdp2 sequence_parallel.size=2 on 4 ranks: Ulysses over each pair of ranks (each
+    holding half of every sequence, attention's all-to-all swapping the split to heads), FSDP2
+    sharding over all 4 (or HSDP: each pair one replica), trains as FSDP2 over 4 ranks reading
+    whole sequences. Each rank back-propagates its slice's share of the sequence's loss, so the
+    gradients are summed over a pair and averaged over the data-parallel ranks: averaged over all 4
+    (FSDP2's default) they are half, far outside the first norm's 1e-6. Its checkpoint resumes
+    under HSDP without sequence parallelism (test_checkpoints_reshard_from_2x2_to_4x1_to_one_rank)."""
+    assert_trains_as(four_ranks.runs[sequence_parallel], four_ranks.runs[FSDP2_4])
+
+
+@pytest.mark.distributed
 def test_mixtral_dense_parts_tensor_parallel_on_a_2x2_mesh_equal_fsdp2_over_4_ranks(four_ranks):
     """A Mixtral-style model under engine=fsdp2 tp=auto: attention and the dense block's MLP split
     over 2 tensor-parallel ranks (with the token-split norms and the vocabulary-split loss), the
@@ -548,6 +587,74 @@ def test_mixtral_dense_parts_tensor_parallel_on_a_2x2_mesh_equal_fsdp2_over_4_ra
     tensor, flat = four_ranks.runs[MOE_TP_4], four_ranks.runs[MOE_4]
     assert_trains_as(tensor, flat)
     assert 2 * sum(tensor["moe"]["expert_tokens"]) == sum(flat["moe"]["expert_tokens"]) > 0, (tensor, flat)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_expert_parallelism_gives_each_rank_its_share_of_the_experts(replicas):
+    """What expert_parallel.size=2 builds on 4 ranks, planned on torch's fake process group (the
+    engine's own parallelize, the model on the meta device): each rank holds the experts of its
+    share alone (global indices 0-1 or 2-3 of 4, under those names, which its checkpoint saves
+    them by), each sharded over the ranks that hold the same ones (or, with 2 replicas, whole on
+    each and replicated across them), and each MoE layer dispatches over the rank's pair."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lmrepo.distributed.layout import ParallelLayout
+    from lmrepo.engines import fsdp2
+    from lmrepo.models import meta_model
+
+    config = load_config([*MOE_EP_4, f"engine.replicate={replicas}"])
+    for rank in range(4):
+        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+        try:
+            layout = ParallelLayout.of(config, 4)
+            net = meta_model(config.model, layout.ep, layout.ep_rank(rank))
+            fsdp2.parallelize(net, config, layout, layout.mesh("cpu"), torch.device("cpu"))
+            experts = {n: p for n, p in net.named_parameters() if ".deepspeed_experts." in n}
+            held = {int(name.split(".deepspeed_experts.")[1].split(".")[0]) for name in experts}
+            assert held == ({0, 1} if rank % 2 == 0 else {2, 3}), (rank, sorted(experts))
+            for param in experts.values():
+                holders = param.device_mesh.mesh.flatten().tolist()
+                if replicas == 1:  # the ranks of the other pair that hold the same experts
+                    assert holders == [rank % 2, rank % 2 + 2] and param.placements == (Shard(0),), param
+                else:
+                    assert holders == [rank % 2, rank % 2 + 2] and param.placements == (Replicate(), Shard(0))
+                    assert param.to_local().shape == param.shape  # one rank per shard: whole
+            pairs = {tuple(dist.get_process_group_ranks(m.moe.deepspeed_moe.ep_group)) for m in net.moe_layers()}
+            assert pairs == {(rank // 2 * 2, rank // 2 * 2 + 1)}, pairs
+        finally:
+            dist.destroy_process_group()
+
+
+def test_expert_groups_lie_within_a_replica():
+    """With HSDP the ranks that split the experts are shards of one replica (the replicas hold
+    copies of the same experts): 4 ranks as 2 replicas of 2 shards cannot split them 4 ways."""
+    from lmrepo.distributed.layout import ParallelLayout
+
+    config = load_config([*MOE_4, "engine.replicate=2", "expert_parallel.size=4", "model.moe.experts=4"])
+    with pytest.raises(ConfigError, match=r"each replica's 2 shard\(s\) must hold every expert"):
+        ParallelLayout.of(config, 4)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout, reference",
+    [(MOE_EP_4, MOE_4), (MOE_EP_HSDP_4, MOE_4), (MOE_EP_TP_4, MOE_TP_4)],
+    ids=["2-shards-each", "hsdp-whole-experts", "data-x-tensor"],
+)
+def test_experts_split_over_the_mesh_train_as_every_rank_holding_all(four_ranks, layout, reference):
+    """engine=fsdp2 expert_parallel.size=2 on 4 ranks: each pair of data-parallel shards splits the
+    experts (tokens traded by all-to-all), each expert sharded over the 2 ranks that hold it, or
+    held whole by each (HSDP's 2 replicas of 2 shards), or beside tensor parallelism (data x tensor,
+    the experts split over the data-parallel pair). Each trains as the layout with every expert on
+    every rank: an expert's gradient divided by the ranks that hold it rather than by every
+    data-parallel rank, or divided twice (FSDP2 divides a one-rank shard's gradient itself: told to
+    sum and divide after, it did again; HSDP's norm was 0.2% off), or a norm that leaves out the
+    other experts' squares, is far outside the first norm's 1e-6. The routes counted are the same."""
+    ours, theirs = four_ranks.runs[layout], four_ranks.runs[reference]
+    assert_trains_as(ours, theirs)
+    assert ours["moe"]["expert_tokens"] == theirs["moe"]["expert_tokens"], (ours["moe"], theirs["moe"])
 
 
 @pytest.mark.distributed
@@ -626,10 +733,10 @@ def test_the_estimate_counts_what_each_rank_holds_in_every_layout(four_ranks, ei
         for rank in range(ranks):
             # a head split by vocabulary (tp.loss_parallel): 257 rows, one more on tp rank 0
             stage = fsdp2_rank_parameters(net, config, layout, layout.coordinates(rank)["tp"])[layout.stage(rank)]
-            shard_group = layout.group(rank, ("dp_shard",))
+            shard_group = layout.group(rank, ("dp_shard", "sp"))  # sequence-parallel ranks shard too
             together = sum(held[r] for r in shard_group) - (len(shard_group) - 1) * stage.whole
             assert together == stage.sharded + stage.whole, (words, rank, held, stage)
-            assert abs(held[rank] - stage.per_rank(layout.dp_shard)) <= rows, (words, rank, held, stage)
+            assert abs(held[rank] - stage.per_rank(layout.shards)) <= rows, (words, rank, held, stage)
 
 
 @pytest.mark.distributed
@@ -645,7 +752,9 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
     checkpoint keeps its input outside autograd's saved tensors, where the count does not see it.
     So is a pipeline in bf16 (torch.autocast over fp32 weights): the count under the CPU's autocast
     was 1.35x what the 3-D layout's first stage kept (FSDP2's bf16, parameters cast, is compared:
-    HSDP in bf16, equal to the byte)."""
+    HSDP in bf16, equal to the byte). So are Ulysses' sequence-parallel layouts: the count is a
+    plain model's at seq / sp tokens, without lmrepo's sliced loss and the all-to-all's buffers
+    (the data 2 x sequence 2 layout kept 4% more)."""
     from lmrepo import estimate
     from lmrepo.distributed.layout import ParallelLayout
 
@@ -655,8 +764,9 @@ def test_the_estimate_counts_each_ranks_activations_in_every_layout(four_ranks, 
     for words, ranks, result in runs:
         config = load_config(words)
         micro, pipelined = config.trainer.micro_batch_size, config.pipeline.schedule != "none"
-        if config.checkpointing.enabled or (pipelined and config.precision.dtype != "fp32"):
-            continue  # the pipeline's bf16 is torch.autocast: see the docstring
+        autocast = pipelined and config.precision.dtype != "fp32"
+        if config.checkpointing.enabled or autocast or config.sequence_parallel.size > 1:
+            continue  # the pipeline's bf16 is torch.autocast; Ulysses: see the docstring
         layout = ParallelLayout.of(config, ranks)
         microbatches = config.trainer.global_batch_size // (micro * layout.dp)
         # by tensor-parallel rank: a head split by vocabulary holds 129 rows of 257 on one, 128 on the other
@@ -691,7 +801,8 @@ def continues(result: dict, reference: dict, after: int) -> None:
 
 @pytest.mark.distributed
 def test_every_layout_resumes_bit_for_bit(four_ranks, eight_ranks):
-    """HSDP, data x tensor (of Llama, of the Mixtral-style model, and with Muon), pipeline x data,
+    """HSDP, data x tensor (of Llama, of the Mixtral-style model, and with Muon), the experts split
+    by expert parallelism, pipeline x data,
     pipeline x tensor (4 ranks) and both 3-D layouts (8
     ranks), each saved at step 3 and resumed on itself by a fresh engine: steps 4-6 give the
     uninterrupted run's losses and gradient norms exactly. A state restored approximately (a
@@ -710,7 +821,10 @@ def test_checkpoints_reshard_from_2x2_to_4x1_to_one_rank(four_ranks, one_rank):
     process resumes: each continues the uninterrupted 2 x 2 run. A pipeline x tensor checkpoint
     resumed without the pipeline, and a pipeline x data one by HSDP: a pipeline's layer files load
     into a model that has no stages. The Mixtral-style data x tensor checkpoint (split attention,
-    whole experts) resumed by FSDP2 over 4 ranks."""
+    whole experts on each rank) resumed with the experts split by expert parallelism, whose
+    checkpoint FSDP2 over 4 ranks (every expert on every rank) resumes: each expert is saved under
+    its global index, whichever rank held it. A sequence-parallel checkpoint (FSDP2 over the data x
+    sequence ranks) resumed by HSDP."""
     tensor = four_ranks.runs[TP_4]
     continues(four_ranks.resumed[TP_4, FSDP2_4], tensor, SAVE_AT)
     continues(one_rank["chain"], tensor, CHAIN_AT)

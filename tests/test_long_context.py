@@ -124,7 +124,6 @@ def test_sequence_parallel_config_and_refusals():
         (["model=bert-tiny", sp], 2, "sequence_parallel.size=2 splits causal models (GPT-2, Llama), not model.family"),
         ([sp, "pipeline=gpipe", "pipeline.stages=2"], 2, "sequence_parallel.size=2 does not combine with a pipeline"),
         (["model=llama-tiny", sp, "tp=auto"], 4, "sequence_parallel.size=2 does not combine with tensor parallel"),
-        ([sp, "engine=fsdp2"], 2, "sequence_parallel.size=2 runs on engine=deepspeed"),
         ([sp4, "model.n_head=6", "model.n_embd=96"], 4, f"{sp4} does not divide the model's 6 attention heads"),
         (["model=llama-tiny", sp4, "model.n_kv_head=2"], 4, f"{sp4} does not divide the model's 2 key/value heads"),
         ([sp, "data.block_size=33"], 2, "sequence_parallel.size=2 does not divide data.block_size=33"),

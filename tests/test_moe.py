@@ -25,6 +25,8 @@ EP2 = (*MOE, "zero=stage2", "expert_parallel.size=2")
 # killed run of any length continues exactly the run of 10 steps.
 # engine=fsdp2 on a tensor-parallel pair of ranks: the experts whole on each, attention split
 FSDP2_TP = (*MOE, "engine=fsdp2", "zero=stage3", "tp=auto", "tp.size=2")
+# engine=fsdp2 with the experts split over the 2 ranks on its mesh (expert parallelism)
+FSDP2_EP2 = (*MOE, "engine=fsdp2", "zero=stage3", "expert_parallel.size=2")
 DROPPING = ("model.moe.drop_tokens=true", "model.moe.capacity_factor=0.5", "schedule=constant")
 # DeepSeek-V3's routing: the router bias moved 0.01 a step (the router's probabilities at TINY's
 # initialisation differ by ~1e-3, so the bias picks other experts from the second step on), one
@@ -32,7 +34,7 @@ DROPPING = ("model.moe.drop_tokens=true", "model.moe.capacity_factor=0.5", "sche
 AUX_FREE = ("model.moe.balance=aux_free", "model.moe.bias_update_rate=0.01", "model.moe.shared_experts=1")
 AUX_FREE_LAYOUTS = {
     "deepspeed-expert-parallel": (*EP2, *AUX_FREE),
-    "fsdp2": (*MOE, *AUX_FREE, "engine=fsdp2", "zero=stage3"),
+    "fsdp2-expert-parallel": (*FSDP2_EP2, *AUX_FREE),
 }
 
 
@@ -86,10 +88,15 @@ def test_kill_9_then_resume_is_bit_identical_with_dropping(launch2, tmp_path):
     ), other.stderr[-2000:]
 
 
-@pytest.mark.parametrize("layout, data_ranks", [(EP2, 2), (FSDP2_TP, 1)], ids=["expert-parallel", "fsdp2-tensor"])
+@pytest.mark.parametrize(
+    "layout, data_ranks",
+    [(EP2, 2), (FSDP2_TP, 1), (FSDP2_EP2, 2)],
+    ids=["expert-parallel", "fsdp2-tensor", "fsdp2-expert-parallel"],
+)
 def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(launch2, tmp_path, layout, data_ranks):
-    """DeepSpeed-MoE's checkpoint (one file per expert) and FSDP2's (DCP, attention split over 2
-    tensor-parallel ranks, the experts whole on each) both export to transformers' Mixtral, and
+    """DeepSpeed-MoE's checkpoint (one file per expert) and FSDP2's (DCP: attention split over 2
+    tensor-parallel ranks, the experts whole on each; or the experts split over the 2 ranks by
+    expert parallelism, each saved under its global index) export to transformers' Mixtral, and
     evaluate.py and generate.py run on them. The metrics line counted each step's routes once per
     data-parallel rank: 4 sequences x 32 tokens x top-2 x 2 MoE blocks each (a tp group's ranks
     route the same tokens)."""
@@ -281,8 +288,8 @@ def one_rank_aux_free(tmp_path_factory):
 def test_aux_free_routing_with_shared_experts_on_2_ranks_equals_1_and_resumes(
     launch2, one_rank_aux_free, tmp_path, layout
 ):
-    """model.moe.balance=aux_free with a shared expert, on 2 ranks (DeepSpeed with the experts
-    split over them; FSDP2 sharding each) against one process of the same global batch: the same
+    """model.moe.balance=aux_free with a shared expert, on 2 ranks (the experts split over them by
+    DeepSpeed-MoE, or on FSDP2's mesh) against one process of the same global batch: the same
     losses and gradient norms for 10 steps. The bias moves from each step's load over every rank
     (a load summed on each rank alone moved step 3's gradient norm by 1.3e-3). It balances: the
     busiest expert's load over the mean, steps 6-10, below the unbiased router's (a bias moved the

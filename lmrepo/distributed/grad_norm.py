@@ -21,7 +21,11 @@ def by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
     return list(groups.values())
 
 
-def global_grad_norm(groups: list[list[torch.nn.Parameter]]) -> torch.Tensor:
+def global_grad_norm(
+    groups: list[list[torch.nn.Parameter]],
+    expert_groups: list[list[torch.nn.Parameter]] = (),
+    ep_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """The 2-norm of every gradient of the model, as one process would compute it, in float64: each
     group's norm (by_mesh) made whole over the mesh dimensions its gradients are sharded on
     (mesh_norm), then the groups' norms combined. A tensor every rank of a tp group holds whole
@@ -31,8 +35,16 @@ def global_grad_norm(groups: list[list[torch.nn.Parameter]]) -> torch.Tensor:
     embedding alone has 3.2M) and another layout sums them in another order and partition: in
     float32 that alone moves the norm by ~1e-5 relative (measured between FSDP2 over 4 ranks and
     HSDP, equal gradients), in float64 by ~1e-14, which leaves the norm as exact as the gradients
-    themselves. It costs one read of the gradients, as the float32 norm does."""
+    themselves. It costs one read of the gradients, as the float32 norm does.
+
+    `expert_groups`: the experts' parameters under expert parallelism, grouped as `groups`: each
+    rank of `ep_group` holds other experts, so their squares are summed over it too (the ranks
+    that hold the same experts are the mesh they are sharded on)."""
     norms = [mesh_norm([p.grad for p in params]) for params in groups]
+    if expert_groups:
+        experts = torch.stack([mesh_norm([p.grad for p in params]) for params in expert_groups]).square().sum()
+        dist.all_reduce(experts, group=ep_group)
+        norms.append(experts.sqrt())
     return torch.linalg.vector_norm(torch.stack(norms))
 
 

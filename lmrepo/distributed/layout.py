@@ -84,6 +84,11 @@ class ParallelLayout:
             "data-parallel rank(s) (each group of expert_parallel.size ranks holds every expert once)",
             world,
         )
+        require(
+            (ranks // replicate) % ep == 0,
+            f"expert_parallel.size={ep} with engine.replicate={replicate}: each replica's {ranks // replicate} "
+            "shard(s) must hold every expert; choose an expert_parallel.size that divides them",
+        )
         return cls(world=world, pp=pp, dp_replicate=replicate, dp_shard=ranks // replicate, sp=sp, tp=tp, ep=ep)
 
     @classmethod
@@ -141,6 +146,43 @@ class ParallelLayout:
         """The part of `mesh` fully_shard shards over: the data-parallel ranks, or with replicas
         (HSDP) the replicate x shard mesh (each shard replicated across the replicas)."""
         return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+
+    @property
+    def shards(self) -> int:
+        """How many ranks FSDP2 cuts each parameter into (shard_mesh's last dimension): the data-
+        parallel shards, times the sequence-parallel ranks under sequence parallelism."""
+        return self.dp_shard * self.sp
+
+    def shard_index(self, rank: int) -> int:
+        """Which of the `shards` pieces this rank holds."""
+        at = self.coordinates(rank)
+        return at["dp_shard"] * self.sp + at["sp"]
+
+    def shard_mesh(self, mesh):
+        """What fully_shard shards over: the data mesh, and under sequence parallelism the ranks of
+        each sequence-parallel group with it (their slices' gradients are summed over them, as the
+        data-parallel ranks' are averaged: lmrepo.engines.fsdp2.parallelize), the two flattened
+        into one dimension, "dp_shard_sp"."""
+        if self.sp == 1:
+            return self.data_mesh(mesh)
+        mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        return mesh["dp_replicate", "dp_shard_sp"] if self.dp_replicate > 1 else mesh["dp_shard_sp"]
+
+    def expert_mesh(self, mesh):
+        """`mesh` with its dp_shard dimension cut into ("edp", "ep"), ep varying fastest: each group
+        of `ep` consecutive data-parallel shards splits the experts between them (DeepSpeed-MoE's
+        expert groups, torchtitan's dp_shard x ep), and the ranks along "edp" (and "dp_replicate")
+        hold the same experts."""
+        return mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("edp", "ep"))
+
+    def expert_data_mesh(self, expert_mesh):
+        """What fully_shard shards the experts over: the ranks that hold the same experts (with
+        replicas, replicate x edp)."""
+        return expert_mesh["dp_replicate", "edp"] if self.dp_replicate > 1 else expert_mesh["edp"]
+
+    def ep_rank(self, rank: int) -> int:
+        """Which share of the experts this rank holds."""
+        return self.dp_rank(rank) % self.ep
 
     def describe(self) -> str:
         parts = [f"{name} {size}" for name, size in self.sizes.items() if size > 1]

@@ -46,6 +46,7 @@ from lmrepo.distributed.device import isolate_compile_cache
 from lmrepo.distributed.grad_norm import by_mesh, global_grad_norm
 from lmrepo.distributed.launch import host_group
 from lmrepo.distributed.layout import ParallelLayout
+from lmrepo.distributed.sequence_parallel import Slicer, register
 from lmrepo.distributed.tp import parallelize_blocks
 from lmrepo.engines.base import to_device
 from lmrepo.engines.layer_files import CLIENT_KEYS as PIPELINE_CLIENT_KEYS
@@ -58,7 +59,7 @@ from lmrepo.engines.layer_files import (
 )
 from lmrepo.engines.recompute import enable_activation_checkpointing
 from lmrepo.models import build_model, causal_loss, pipe, transformer_blocks
-from lmrepo.models.mixtral import balance_experts, moe_record
+from lmrepo.models.mixtral import balance_experts, moe_record, place_experts
 from lmrepo.optim.optimizer import param_groups, torch_optimizer
 from lmrepo.optim.schedules import build_scheduler
 from lmrepo.utils import safe_load
@@ -84,8 +85,9 @@ class FSDP2Engine:
         mesh: DeviceMesh,
         family: str,
         vocabulary_parallel: bool = False,
+        slicer: Slicer | None = None,
     ):
-        self.device, self.family = device, family
+        self.device, self.family, self.slicer = device, family, slicer
         # torch's loss_parallel computes the cross-entropy of vocabulary-split logits, in forward
         # and in backward (its ops are DTensor's, dispatched while the context is open)
         self.loss_context = loss_parallel if vocabulary_parallel else contextlib.nullcontext
@@ -93,8 +95,12 @@ class FSDP2Engine:
         dp_mesh = layout.data_mesh(mesh)
         # The ranks that read different samples, for lm-eval to deal documents over (a tp group's
         # ranks score the same ones); None: every rank reads its own.
-        self.data_group = (dp_mesh._flatten() if dp_mesh.ndim > 1 else dp_mesh).get_group() if layout.tp > 1 else None
+        split = layout.tp > 1 or layout.sp > 1
+        self.data_group = (dp_mesh._flatten() if dp_mesh.ndim > 1 else dp_mesh).get_group() if split else None
         self.module = model  # parallelized (parallelize): every block and the root fully_shard'ed
+        # expert parallelism: each rank of an ep group holds other experts, whose gradients' squares
+        # the norm sums over that group too
+        self.expert_params, self.ep_group = expert_parallel_params(model, layout)
         groups = param_groups(self.module, optimizer.weight_decay)
         self.optimizer = torch_optimizer(groups, optimizer, self.module)
         # The scheduler of the section lmrepo builds for DeepSpeed's engines (DeepSpeed's class, or lmrepo's WSD).
@@ -132,14 +138,16 @@ class FSDP2Engine:
         losses = []
         for batch in batches:
             with self.loss_context():
-                loss = self.module(**to_device(batch, self.device)).loss
+                loss = self.module(**self._inputs(batch)).loss
                 (loss / len(batches)).backward()
-            losses.append(loss.detach().float())
+            losses.append(self._whole(loss).float())
         # The global norm before clipping, over every shard of every mesh dimension.
-        groups = by_mesh([p for p in self.module.parameters() if p.grad is not None])
-        norm = global_grad_norm(groups)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        groups = by_mesh([p for p in params if p not in self.expert_params])
+        expert_groups = by_mesh([p for p in params if p in self.expert_params])
+        norm = global_grad_norm(groups, expert_groups, self.ep_group)
         if self.grad_clip > 0:
-            for params in groups:
+            for params in groups + expert_groups:
                 torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
         self.last_grad_norm = norm.detach()  # read back only when a metrics line asks for it
         self.optimizer.step()
@@ -153,10 +161,18 @@ class FSDP2Engine:
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:
         self.eval()
         with self.loss_context():
-            losses = [self.module(**to_device(batch, self.device)).loss.float() for batch in batches]
+            losses = [self._whole(self.module(**self._inputs(batch)).loss).float() for batch in batches]
         mean = torch.stack(losses).mean()
         self.train()
         return mean
+
+    def _inputs(self, batch: dict) -> dict:
+        """The micro batch as this rank computes it: under sequence parallelism, its slice."""
+        return to_device(self.slicer(batch) if self.slicer else batch, self.device)
+
+    def _whole(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro batch's loss: under sequence parallelism, the sum of the group's shares."""
+        return self.slicer.whole_loss(loss) if self.slicer else loss.detach()
 
     # --- checkpoints: DCP for the sharded states, a torch.save file for the rest
 
@@ -226,6 +242,15 @@ class FSDP2Engine:
         self.lr_scheduler.load_state_dict(states["lr_scheduler"])
         self.global_steps = states["global_steps"]
         return {k: v for k, v in states.items() if k not in PIPELINE_CLIENT_KEYS}
+
+
+def expert_parallel_params(model: torch.nn.Module, layout: ParallelLayout) -> tuple[set, dist.ProcessGroup | None]:
+    """(the experts' parameters, the expert-parallel group) of a model that parallelize split by
+    expert parallelism (shard_experts); (empty, None) otherwise."""
+    if layout.ep == 1:
+        return set(), None
+    layers = [mlp.moe.deepspeed_moe for mlp in model.moe_layers()]
+    return {p for layer in layers for p in layer.experts.parameters()}, layers[0].ep_group
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):
@@ -305,16 +330,42 @@ def parallelize(
             block.compile(backend=str(config.trainer.compile_backend))
     offload = config.offload.target == OffloadTarget.cpu
     policy = {
-        "mesh": layout.data_mesh(mesh),
+        "mesh": layout.shard_mesh(mesh),
         "reshard_after_forward": config.zero.stage == 3,
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if config.precision.dtype == "bf16"
         else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
     }
-    for block in transformer_blocks(model):
-        fully_shard(block, **policy)
-    fully_shard(model, **policy)
+    if layout.ep > 1:
+        shard_experts(model, layout, mesh, policy)
+    for module in [*transformer_blocks(model), model]:
+        fully_shard(module, **policy)
+        if layout.sp > 1:
+            # Each rank of a sequence-parallel group back-propagates its slice's share of the
+            # sequence's loss: summed over the group, averaged over the data-parallel ranks (a sum
+            # then a division: gloo has no pre-multiplied sum; the shard mesh has sp >= 2 ranks)
+            module.set_gradient_divide_factor(float(layout.dp))
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_experts(model: torch.nn.Module, layout: ParallelLayout, mesh: DeviceMesh, policy: dict) -> None:
+    """Expert parallelism (expert_parallel.size > 1), torchtitan's arrangement: each group of ep
+    data-parallel shards splits every MoE layer's experts and trades tokens by all-to-all, and each
+    layer's experts are an FSDP unit of their own, sharded over the ranks that hold the same
+    experts. A rank's expert gradients already sum what the tokens of its whole ep group gave
+    them: reduced over those ranks, they are divided by every data-parallel rank, as the rest of
+    the model's are averaged over them."""
+    experts_mesh = layout.expert_mesh(mesh)
+    data_mesh = layout.expert_data_mesh(experts_mesh)
+    for experts in place_experts(model, experts_mesh["ep"].get_group()):
+        fully_shard(experts, **{**policy, "mesh": data_mesh})
+        experts.set_gradient_divide_factor(float(layout.dp))
+        if layout.dp_shard > layout.ep:
+            # the divide factor as a division after the sums: gloo has no pre-multiplied sum
+            # (NCCL's PREMUL_SUM). Not where one rank holds each shard (edp 1): FSDP2 then divides
+            # by the factor itself and, told to sum, would divide again.
+            experts.set_force_sum_reduction_for_comms(True)
 
 
 def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2Engine:
@@ -327,9 +378,15 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     device = torch.device(get_accelerator().current_device_name())
     mesh = layout.mesh(device.type)
     tiles = config.trainer.loss_tiles
-    model = build_model(config.model, loss_tiles=tiles if tiles > 1 else None)
+    own_loss = tiles > 1 or layout.sp > 1  # lmrepo's loss: tiled, or a sequence slice's share
+    ep_rank = layout.ep_rank(dist.get_rank())
+    model = build_model(config.model, tiles if own_loss else None, layout.ep, ep_rank)
+    slicer = None
+    if layout.sp > 1:  # Ulysses, as on DeepSpeed's engine (its groups: consecutive ranks, the layout's sp)
+        documents = not config.data.cross_document_attention
+        slicer = Slicer(register(model, layout.sp, ds_config["train_micro_batch_size_per_gpu"], documents))
     vocabulary_parallel = layout.tp > 1 and tp.loss_parallel(config)
-    if vocabulary_parallel and tiles == 1:
+    if vocabulary_parallel and not own_loss:
         causal_loss.install(model, 1)  # lmrepo's loss: a plain loss from the split logits, which it never returns
     if config.offload.target != OffloadTarget.cpu:
         model.to(device)
@@ -345,4 +402,5 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
         mesh=mesh,
         family=config.model.family,
         vocabulary_parallel=vocabulary_parallel,
+        slicer=slicer,
     )

@@ -2,6 +2,7 @@
 pretrained directory), on the meta device to plan with, split into pipeline layers, with lmrepo's
 causal-LM loss."""
 
+import os
 from types import ModuleType
 
 import torch
@@ -12,10 +13,13 @@ from lmrepo.models import bert, causal_loss, gpt2, llama, mixtral
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "llama": llama, "mixtral": mixtral}
 
 
-def build_model(model, loss_tiles: int | None = None, expert_parallel_size: int = 1) -> PreTrainedModel:
+def build_model(
+    model, loss_tiles: int | None = None, expert_parallel_size: int = 1, expert_parallel_rank: int | None = None
+) -> PreTrainedModel:
     """loss_tiles None: transformers' own loss; a number: lmrepo's (models/causal_loss.py) in that
     many chunks of the sequence (causal families only). `expert_parallel_size`: how many ranks split
-    a mixture of experts' experts (this rank builds its share); dense families ignore it."""
+    a mixture of experts' experts; this rank builds the share of `expert_parallel_rank` (default:
+    RANK modulo the size, DeepSpeed-MoE's groups of consecutive ranks). Dense families ignore both."""
     family = FAMILIES[model.family]
     if model.pretrained:
         net = family.MODEL_CLASS.from_pretrained(model.pretrained, **family.dropout_overrides(model))
@@ -23,6 +27,9 @@ def build_model(model, loss_tiles: int | None = None, expert_parallel_size: int 
         hf_config = family.hf_config(model)
         if hasattr(hf_config, "moe"):
             hf_config.moe["expert_parallel_size"] = expert_parallel_size
+            if expert_parallel_rank is None:
+                expert_parallel_rank = int(os.environ.get("RANK", "0")) % expert_parallel_size
+            hf_config.moe["expert_parallel_rank"] = expert_parallel_rank
         net = family.MODEL_CLASS._from_config(hf_config)
     if hasattr(family, "prepare"):
         family.prepare(net)
@@ -48,10 +55,15 @@ def hf_config(model_cfg):
     return family.hf_config(model_cfg)
 
 
-def meta_model(model_cfg) -> torch.nn.Module:
-    """The model train.py builds, on the meta device: every shape, no memory, no init time."""
+def meta_model(model_cfg, expert_parallel_size: int = 1, expert_parallel_rank: int = 0) -> torch.nn.Module:
+    """The model train.py builds, on the meta device: every shape, no memory, no init time. A
+    mixture of experts with every expert, or the share of them `expert_parallel_rank` of
+    `expert_parallel_size` builds."""
+    config = hf_config(model_cfg)
+    if hasattr(config, "moe"):
+        config.moe.update(expert_parallel_size=expert_parallel_size, expert_parallel_rank=expert_parallel_rank)
     with torch.device("meta"):
-        return FAMILIES[model_cfg.family].MODEL_CLASS._from_config(hf_config(model_cfg))
+        return FAMILIES[model_cfg.family].MODEL_CLASS._from_config(config)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -15,7 +15,6 @@ scores picks the experts; the engines move it after each step from the load the 
 
 import copy
 import functools
-import os
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ def hf_config(model) -> LlamaConfig:
         "bias_update_rate": model.moe.bias_update_rate,
         "shared_experts": model.moe.shared_experts,
         "expert_parallel_size": 1,  # build_model sets the run's
+        "expert_parallel_rank": 0,  # which of them this rank is (it holds that share of the experts)
     }
     return config
 
@@ -160,21 +160,21 @@ class MoEMLP(nn.Module):
             shared = copy.copy(config)
             shared.intermediate_size = moe["shared_experts"] * config.intermediate_size
             self.shared = LlamaMLP(shared)
-        self._init_weights(config, layer_index, ep_size)
+        self._init_weights(config, layer_index)
         self.aux_loss = self.routes = self.dropped = None
         # a torch pipeline's (load-balancing term, routes) of each forward (lmrepo.models.pipe.with_aux_loss)
         self.pipeline_forwards: list[tuple[torch.Tensor, torch.Tensor]] = []
         gate.register_forward_hook(self._count_dropped)
 
     @torch.no_grad()
-    def _init_weights(self, config: LlamaConfig, layer_index: int, ep_size: int) -> None:
+    def _init_weights(self, config: LlamaConfig, layer_index: int) -> None:
         """The router from the global generator (every rank draws the same); each expert from its
-        own generator, seeded by its global index: DeepSpeed's expert-parallel groups are
-        consecutive ranks, so this rank holds experts ep_rank x local ... (ep_rank + 1) x local - 1."""
+        own generator, seeded by its global index: this rank holds experts ep_rank x local ...
+        (ep_rank + 1) x local - 1."""
         std = config.initializer_range
         self.moe.deepspeed_moe.gate.wg.weight.normal_(0.0, std)
         experts = self.moe.deepspeed_moe.experts.deepspeed_experts
-        ep_rank = int(os.environ.get("RANK", "0")) % ep_size
+        ep_rank = config.moe["expert_parallel_rank"]
         for local, expert in enumerate(experts):
             index = ep_rank * len(experts) + local
             seed = (torch.initial_seed() * 1_000_003 + layer_index * 1_009 + index) % 2**63
@@ -203,6 +203,42 @@ class MoEMLP(nn.Module):
         if self.shared is not None:
             out = out + self.shared(hidden)
         return out
+
+
+@functools.cache
+def _experts_by_global_index_class():
+    from deepspeed.moe.experts import Experts
+
+    class ExpertsByGlobalIndex(Experts):
+        """DeepSpeed's experts of one MoE layer, this rank's share of them held under their global
+        indices (a ModuleDict): their parameters' names are those of the model with every expert on
+        one rank, which DCP saves and loads by, whatever expert_parallel.size splits them."""
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            chunks = inputs.chunk(self.num_local_experts, dim=1)
+            experts = self.deepspeed_experts.values()
+            return torch.cat([expert(chunk) for chunk, expert in zip(chunks, experts, strict=True)], dim=1)
+
+    return ExpertsByGlobalIndex
+
+
+def place_experts(model: nn.Module, ep_group: dist.ProcessGroup) -> list[nn.Module]:
+    """Expert parallelism over a torch mesh (engine=fsdp2): each MoE layer dispatches its tokens to
+    the ranks of `ep_group` and back with DeepSpeed's all-to-all (its MOELayer takes the group it
+    is given), and names its experts by their global index. Returns each layer's experts module,
+    for FSDP2 to shard over the ranks that hold the same experts. The model was built with this
+    rank's share (build_model's expert_parallel_size and _rank)."""
+    first = model.config.moe["expert_parallel_rank"] * (model.config.moe["experts"] // dist.get_world_size(ep_group))
+    placed = []
+    for mlp in model.moe_layers():
+        layer = mlp.moe.deepspeed_moe
+        experts = layer.experts
+        local = list(experts.deepspeed_experts)
+        experts.deepspeed_experts = nn.ModuleDict({str(first + i): expert for i, expert in enumerate(local)})
+        experts.__class__ = _experts_by_global_index_class()
+        layer._set_ep_group(ep_group)
+        placed.append(experts)
+    return placed
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):

@@ -313,13 +313,6 @@ RULES: list[Rule] = [
         lambda j: f"{_sp(j)} splits causal models (GPT-2, Llama), not model.family=bert (bidirectional): {SP_OFF}",
         NotYet("the sliced sequence and loss of a bidirectional masked LM"),
     ),
-    Rule(
-        ("sequence_parallel", "fsdp2"),
-        lambda j: on(j, "sequence_parallel", "fsdp2"),
-        lambda j: f"{_sp(j)} runs on engine=deepspeed (Ulysses): choose it, {SP_OFF}",
-        NotYet("Ulysses attention under fully_shard"),
-        pair=True,
-    ),
     *_with_pipelines(
         "sequence_parallel",
         lambda j: f"{_sp(j)} does not combine with a pipeline: choose pipeline=none, {SP_OFF}",
@@ -343,7 +336,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("sequence_parallel", "zero3"),
-        lambda j: on(j, "sequence_parallel") and _c(j).zero.stage == 3 and _c(j).zero.reduce_scatter is True,
+        lambda j: on(j, "sequence_parallel", "zero3") and _c(j).zero.reduce_scatter is True,
         lambda j: (
             f"{_sp(j)} with zero=stage3 reduces gradients without zero.reduce_scatter (DeepSpeed's reduce-scatter "
             f"divides the sequence-parallel gradients by {_c(j).sequence_parallel.size}): drop zero.reduce_scatter=true"
@@ -352,7 +345,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("sequence_parallel", "zero3"),
-        lambda j: on(j, "sequence_parallel") and _c(j).zero.stage == 3 and _c(j).zero.contiguous_gradients is False,
+        lambda j: on(j, "sequence_parallel", "zero3") and _c(j).zero.contiguous_gradients is False,
         lambda j: (
             f"{_sp(j)} with zero=stage3 needs zero.contiguous_gradients (DeepSpeed's reduce-scatter divides the "
             f"sequence-parallel gradients by {_c(j).sequence_parallel.size}): drop zero.contiguous_gradients=false"
@@ -361,7 +354,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         ("sequence_parallel", "zero3"),
-        lambda j: on(j, "sequence_parallel") and _c(j).zero.stage == 3 and _embedding(j) > _bucket(j),
+        lambda j: on(j, "sequence_parallel", "zero3") and _embedding(j) > _bucket(j),
         lambda j: (
             f"{_sp(j)} with zero=stage3: the embedding's "
             f"{_embedding(j)} elements exceed zero.reduce_bucket_size={_bucket(j):.0f}, which sends it through "
@@ -371,16 +364,6 @@ RULES: list[Rule] = [
         Upstream(DS, "stage3.py sends a gradient larger than reduce_bucket_size through its reduce-scatter"),
     ),
     # --- mixture of experts (DeepSpeed-MoE)
-    Rule(
-        ("moe", "fsdp2"),
-        lambda j: on(j, "moe", "fsdp2") and _c(j).expert_parallel.size > 1,
-        lambda j: (
-            f"expert_parallel.size={_c(j).expert_parallel.size} with engine=fsdp2: FSDP2 shards every expert over "
-            "the data-parallel ranks, with no expert-parallel all-to-all here; choose expert_parallel.size=1, or "
-            "engine=deepspeed (DeepSpeed-MoE's expert groups)"
-        ),
-        NotYet("expert parallelism on a torch mesh"),
-    ),
     Rule(
         ("moe", "zero3"),
         lambda j: on(j, "moe", "zero3"),
