@@ -143,6 +143,10 @@ ELSEWHERE = {
         "pipeline 2 x tensor 2 under engine=fsdp2 on 4 ranks, equal to FSDP2 over 4 ranks, resumed bit for bit "
         "(tests/test_fsdp2.py)"
     ),
+    frozenset(("torch_pipeline", "sequence_parallel")): (
+        "pipeline 2 x sequence 2 on 4 ranks, under engine=fsdp2 and DeepSpeed's engine, equal to FSDP2 over 4 "
+        "ranks, resumed bit for bit (tests/test_fsdp2.py)"
+    ),
 }
 EQUAL = {
     "fsdp2",

@@ -288,6 +288,11 @@ SP_HSDP_4 = (*SP_4, "engine.replicate=2")
 PP_4 = (*composition.overrides("fsdp2", "torch_pipeline"), "trainer.micro_batch_size=1", STEPS)
 PP_1F1B_4 = (*PP_4, "pipeline=1f1b_torch", "zero=stage2", "checkpointing=full")
 PP_TP_4 = (*composition.overrides("fsdp2", "torch_pipeline", "autotp"), "trainer.micro_batch_size=1", STEPS)
+# Sequence parallelism inside the stages: 2 stages x 2 sequence-parallel ranks (one replica reading
+# the whole batch, 4 micro batches of one sequence), under FSDP2 (each stage sharded over its pair)
+# and on DeepSpeed's engine (each stage whole on both)
+PP_SP_4 = (*PP_4, "sequence_parallel.size=2")
+PP_SP_DS_4 = (*composition.overrides("torch_pipeline"), "trainer.micro_batch_size=1", STEPS, "sequence_parallel.size=2")
 # Muon (its two halves at their own rates: wsd without decay is constant) over the same layouts:
 # each matrix's update computed on the whole matrix however it is sharded
 MUON = tuple(composition.OVERRIDES["muon"])
@@ -324,7 +329,7 @@ EIGHT_RANKS["tensor, bf16"] = [*EIGHT_RANKS["tensor"], "precision=bf16", SHORT]
 # (every layout without a pipeline) reshards on load.
 SAVE_AT = 3
 # FSDP2 over all ranks: test_fsdp2_resumes_bit_for_bit
-SAVED_4 = [HSDP_4, TP_4, PP_4, PP_TP_4, MOE_TP_4, MOE_EP_4, SP_4, MUON_TP_4]
+SAVED_4 = [HSDP_4, TP_4, PP_4, PP_TP_4, PP_SP_4, MOE_TP_4, MOE_EP_4, SP_4, MUON_TP_4]
 # (the layout that saved, the one that resumes); the experts' checkpoints across expert-parallel sizes
 RESHARDED_4 = [
     (TP_4, FSDP2_4),
@@ -399,6 +404,8 @@ def four_ranks(tmp_path_factory) -> Probed:
         PP_4,
         PP_1F1B_4,
         PP_TP_4,
+        PP_SP_4,
+        PP_SP_DS_4,
         FSDP2_TIED_4,
         PP_SHARED_4,
         HSDP_CHECKPOINTED_4,
@@ -659,12 +666,16 @@ def test_experts_split_over_the_mesh_train_as_every_rank_holding_all(four_ranks,
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "pipeline", [PP_4, PP_1F1B_4, PP_TP_4], ids=["gpipe", "1f1b-checkpointed-stage2", "gpipe-tensor-parallel"]
+    "pipeline",
+    [PP_4, PP_1F1B_4, PP_TP_4, PP_SP_4, PP_SP_DS_4],
+    ids=["gpipe", "1f1b-checkpointed-stage2", "gpipe-tensor-parallel", "gpipe-sequence-parallel", "deepspeed-gpipe-sp"],
 )
 def test_fsdp2_pipeline_on_a_2x2_mesh_equals_fsdp2_over_4_ranks(four_ranks, pipeline):
     """engine=fsdp2 with a torch pipeline on 4 ranks: 2 stages, each fully_shard'ed over its 2
     data-parallel ranks (a pipeline x data mesh), or each block split over 2 tensor-parallel ranks
-    (pipeline x tensor), trains as FSDP2 over all 4. The gradient norm is
+    (pipeline x tensor), or each stage's sequences split over 2 sequence-parallel ranks (Ulysses in
+    its blocks, the last stage's loss each slice's share of the whole sequences'; under FSDP2, and
+    on DeepSpeed's engine with the stages whole), trains as FSDP2 over all 4. The gradient norm is
     summed over both stages and both shards: one stage's or one shard's alone is off by far more
     than the first norm's 1e-6 (stage 0's alone: 0.89 of the whole, shared/DESIGN.md)."""
     assert_trains_as(four_ranks.runs[pipeline], four_ranks.runs[FSDP2_4])

@@ -122,7 +122,7 @@ def test_sequence_parallel_config_and_refusals():
     refusals = [  # (overrides, world size, the message's start)
         ([sp], 3, "sequence_parallel.size=2 does not divide the 3 rank(s)"),
         (["model=bert-tiny", sp], 2, "sequence_parallel.size=2 splits causal models (GPT-2, Llama), not model.family"),
-        ([sp, "pipeline=gpipe", "pipeline.stages=2"], 2, "sequence_parallel.size=2 does not combine with a pipeline"),
+        ([sp, "pipeline=1f1b", "pipeline.stages=2"], 4, "sequence_parallel.size=2 does not combine with DeepSpeed's"),
         (["model=llama-tiny", sp, "tp=auto"], 4, "sequence_parallel.size=2 does not combine with tensor parallel"),
         ([sp4, "model.n_head=6", "model.n_embd=96"], 4, f"{sp4} does not divide the model's 6 attention heads"),
         (["model=llama-tiny", sp4, "model.n_kv_head=2"], 4, f"{sp4} does not divide the model's 2 key/value heads"),

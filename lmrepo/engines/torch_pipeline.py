@@ -75,6 +75,7 @@ from lmrepo.config.parallel import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from lmrepo.distributed.device import isolate_compile_cache
 from lmrepo.distributed.grad_norm import by_mesh, float64_norm, global_grad_norm
 from lmrepo.distributed.layout import ParallelLayout
+from lmrepo.distributed.sequence_parallel import Slicer, register
 from lmrepo.distributed.tp import parallelize_block
 from lmrepo.engines.base import pipeline_inputs
 from lmrepo.engines.layer_files import (
@@ -201,6 +202,9 @@ class StageSharding:
     tp_mesh: DeviceMesh | None = None
     tp_plan: dict | None = None
     offload: bool = False  # offload=cpu: the shards, their gradients and optimizer states in CPU memory
+    # sequence parallelism: `mesh` holds the data x sequence ranks, whose gradients are summed over
+    # the sequence ranks and divided by the data-parallel ones (this many)
+    divide_by: int | None = None
 
 
 def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding, head: nn.Module | None = None) -> list[nn.Parameter]:
@@ -224,15 +228,21 @@ def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding, head: nn.Module
         if sharding.offload
         else OffloadPolicy(),
     }
+    units = []
     for chunk in chunks:
         for module in chunk.modules():
             if module in sharding.blocks:
                 if sharding.tp_mesh is not None:
                     parallelize_block(module, sharding.tp_mesh, sharding.tp_plan)
-                fully_shard(module, **policy)
+                units.append(module)
             elif module is head:
-                fully_shard(module, **policy)
-        fully_shard(chunk, **policy)
+                units.append(module)
+        units.append(chunk)
+    for unit in units:
+        fully_shard(unit, **policy)
+        if sharding.divide_by is not None:  # as lmrepo.engines.fsdp2.parallelize does under sequence parallelism
+            unit.set_gradient_divide_factor(float(sharding.divide_by))
+            unit.set_force_sum_reduction_for_comms(True)
     return shared
 
 
@@ -249,12 +259,13 @@ def stage_sharding(net: nn.Module, config: TrainConfig, layout: ParallelLayout, 
     from lmrepo.distributed.tp import block_tp_plan
 
     return StageSharding(
-        layout.data_mesh(mesh),
+        layout.shard_mesh(mesh),
         config.zero.stage == 3,
         frozenset(transformer_blocks(net)),
         mesh["tp"] if layout.tp > 1 else None,
         block_tp_plan(net) if layout.tp > 1 else None,
         config.offload.target == OffloadTarget.cpu,
+        layout.dp if layout.sp > 1 else None,
     )
 
 
@@ -292,17 +303,22 @@ class TorchPipelineEngine:
         sharding: StageSharding | None = None,
         moe: dict | None = None,
         loss_tiles: int = 1,
+        slicer: Slicer | None = None,
     ):
         self.device = torch.device(get_accelerator().current_device_name())
         self.stages, virtual = layout.pp, pipeline.virtual_stages
         # DeepSpeed's grid for its groups: pipe-major, tensor-parallel ranks innermost, as the layout numbers them
+        # (sequence-parallel ranks, innermost without tensor parallelism, count among its "data" ranks:
+        # they hold copies of the stage, as data-parallel ranks do)
+        self.replicas = layout.dp * layout.sp  # the ranks of a stage that hold the same parameters (per tp rank)
         topology = (
             PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
             if layout.tp > 1
-            else PipeDataParallelTopology(num_pp=layout.pp, num_dp=layout.dp)
+            else PipeDataParallelTopology(num_pp=layout.pp, num_dp=self.replicas)
         )
         self.grid = PipelineParallelGrid(topology)
         self.tp = layout.tp
+        self.slicer = slicer
         # the one rank of a stage that writes its files: the first replica's (first tensor-parallel rank's)
         self.writer = self.grid.get_data_parallel_rank() == 0 and layout.coordinates(dist.get_rank())["tp"] == 0
         self.stage_id, self.dp = layout.stage(dist.get_rank()), layout.dp
@@ -327,6 +343,8 @@ class TorchPipelineEngine:
         if head is not None:
             next(c for c in self.chunks if head in c.layers.values()).applied_by_loss.add(str(len(layers) - 1))
             self.loss = pipe.TiledLMLoss(head, loss_tiles)
+        if slicer is not None:  # a slice of each sequence: its share of the whole sequences' loss
+            self.loss = pipe.SequenceSliceLoss(head, loss_tiles)
         self.sharding = sharding
         # parameters every data-parallel rank holds whole: all of them without FSDP2
         self.whole_params = shard_chunks(self.chunks, sharding, head) if sharding else list(self.chunks.parameters())
@@ -394,7 +412,7 @@ class TorchPipelineEngine:
             holders = sorted({self.placement[self._chunk_of(i)] for i in indices})
             if len(holders) < 2:
                 continue  # one rank holds every copy: they are one parameter
-            for replica, t in [(d, t) for d in range(self.dp) for t in range(self.tp)]:
+            for replica, t in [(d, t) for d in range(self.replicas) for t in range(self.tp)]:
                 model = {"model": t} if self.tp > 1 else {}
                 ranks = [self.grid.topology().get_rank(pipe=s, data=replica, **model) for s in holders]
                 group = dist.new_group(ranks=ranks)
@@ -429,13 +447,25 @@ class TorchPipelineEngine:
         return record | ({"bubble": self.last_bubble} if self.last_bubble is not None else {})
 
     def train_step(self, batches: list[dict]) -> torch.Tensor:
-        return self.train_batch(pipeline_inputs(batches))
+        return self.train_batch(self._inputs(batches))
 
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:
         self.eval()
-        loss = self.eval_batch(pipeline_inputs(batches), num_micro_batches=len(batches))
+        loss = self.eval_batch(self._inputs(batches), num_micro_batches=len(batches))
         self.train()
         return loss
+
+    def _inputs(self, batches: list[dict]):
+        """The micro batches' (first stage's inputs, last stage's target); under sequence
+        parallelism this rank's slice of each: its input ids and position ids, its shifted labels
+        with the whole micro batch's scored-token count (pipe.SequenceSliceLoss)."""
+        if self.slicer is None:
+            return pipeline_inputs(batches)
+        sliced = [self.slicer(batch) for batch in batches]
+        target = pipe.SequenceSliceLoss.target
+        return iter(
+            [((s["input_ids"], s["position_ids"]), target(s["shift_labels"], s["scored_tokens"])) for s in sliced]
+        )
 
     def _run(self, schedule, data_iter, micro_batches: int, train: bool, backward: bool | None = None) -> torch.Tensor:
         """One pass of `schedule` over `micro_batches` (inputs, labels) pairs, with the backward when
@@ -457,7 +487,7 @@ class TorchPipelineEngine:
         if train:
             self.timeline.end_step()
         loss = torch.stack(losses).detach().float().mean() if last else torch.zeros((), device=self.device)
-        if last and self.dp > 1:
+        if last and self.replicas > 1:  # the sequence-parallel ranks' shares summed, the replicas' averaged
             dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
             loss /= self.dp
         src = self.grid.stage_to_global(self.placement[-1])  # the rank of the last chunk
@@ -551,9 +581,10 @@ class TorchPipelineEngine:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(local(param.grad), group=group)
-        # FSDP2 has averaged its shards over the data-parallel ranks; the whole tensors are averaged here.
+        # FSDP2 has averaged its shards over the data-parallel ranks; the whole tensors are averaged
+        # here (under sequence parallelism, summed over the sequence ranks too: their losses are shares)
         grads = [p.grad for p in self.whole_params if p.grad is not None]
-        if self.dp > 1 and grads:
+        if self.replicas > 1 and grads:
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
             flat /= self.dp
@@ -661,6 +692,10 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
             # and its weight gradients later: a compiled backward that donates its saved buffers
             # refuses the first ("requires retain_graph=False"), so they are kept
             torch._functorch.config.donated_buffer = False
+    slicer = None
+    if layout.sp > 1:  # Ulysses in the stages' attention, as without a pipeline (consecutive ranks: the layout's sp)
+        documents = not config.data.cross_document_attention
+        slicer = Slicer(register(net, layout.sp, ds_config["train_micro_batch_size_per_gpu"], documents))
     layers = pipe.pipeline_layers(net, config.model.family)
     loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
     sharding = None
@@ -679,4 +714,5 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
         sharding,
         getattr(net.config, "moe", None),
         config.trainer.loss_tiles,
+        slicer,
     )

@@ -286,6 +286,34 @@ class TiledLMLoss:
         return loss_sum(self.head, hidden, targets, self.tiles) / (targets != IGNORE).sum()
 
 
+class SequenceSliceLoss:
+    """The causal LM loss of a sequence-parallel rank's slice in a pipeline's last stage (lmrepo's
+    sequence parallelism: the slice's token sum over the whole sequences' scored tokens, which
+    summed over the group is the unsplit loss). Its target holds the slice's labels, already
+    shifted, and in a last column the whole micro-batch's scored-token count (each row the same):
+    a pipeline's loss sees only its target. `head`: with trainer.loss_tiles, the LM head layer
+    the loss applies tile by tile (the stage ends at the final norm); else the stage's output is
+    the logits."""
+
+    def __init__(self, head: nn.Module | None = None, tiles: int = 1):
+        self.head, self.tiles = head, tiles
+
+    @staticmethod
+    def target(shift_labels: torch.Tensor, scored_tokens: torch.Tensor) -> torch.Tensor:
+        count = scored_tokens.reshape(1, 1).expand(shift_labels.shape[0], 1).to(shift_labels)
+        return torch.cat([shift_labels, count], dim=1)
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from lmrepo.models.causal_loss import IGNORE, loss_sum
+
+        labels, scored = target[:, :-1], target[0, -1]
+        if self.head is not None:
+            return loss_sum(self.head, output, labels, self.tiles) / scored
+        logits = output.float()
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        return total / scored
+
+
 def is_tied_copy(spec) -> bool:
     """A TiedLayerSpec that computes with forward_fn (the LM head): it reuses the module of its
     key's first layer and owns nothing of its own, so it has no checkpoint file (as DeepSpeed)."""

@@ -313,10 +313,15 @@ RULES: list[Rule] = [
         lambda j: f"{_sp(j)} splits causal models (GPT-2, Llama), not model.family=bert (bidirectional): {SP_OFF}",
         NotYet("the sliced sequence and loss of a bidirectional masked LM"),
     ),
-    *_with_pipelines(
-        "sequence_parallel",
-        lambda j: f"{_sp(j)} does not combine with a pipeline: choose pipeline=none, {SP_OFF}",
-        NotYet("sequence-parallel groups inside pipeline stages"),
+    Rule(
+        ("sequence_parallel", "ds_pipeline"),
+        lambda j: on(j, "sequence_parallel", "ds_pipeline"),
+        lambda j: (
+            f"{_sp(j)} does not combine with DeepSpeed's pipeline=1f1b: choose a torch pipeline (pipeline=gpipe, "
+            f"1f1b_torch, interleaved), or pipeline=none, {SP_OFF}"
+        ),
+        NotYet("sequence-parallel groups inside the stages of DeepSpeed's PipelineModule"),
+        pair=True,
     ),
     Rule(
         ("sequence_parallel", "autotp"),
