@@ -121,7 +121,10 @@ def test_a_pair_tested_elsewhere_runs_there():
     layouts, both techniques on as the matrix turns them on."""
     import test_fsdp2
 
-    layouts = {frozenset(("torch_pipeline", "autotp")): test_fsdp2.PP_TP_4}
+    layouts = {
+        frozenset(("torch_pipeline", "autotp")): test_fsdp2.PP_TP_4,
+        frozenset(("torch_pipeline", "sequence_parallel")): test_fsdp2.PP_SP_DS_4,
+    }
     assert set(layouts) == set(composition.ELSEWHERE)
     for pair, layout in layouts.items():
         assert set(composition.pair_overrides(*sorted(pair))) <= set(layout), (pair, layout)
