@@ -269,17 +269,24 @@ TP_4 = (*composition.overrides("fsdp2", "autotp"), STEPS)  # the norms split by 
 TP_LINEARS_4 = (*TP_4, "tp.sequence_parallel=false", "tp.loss_parallel=false")  # the blocks' linears alone
 # A Mixtral-style model of one dense block and one of experts (model.moe.every=2): FSDP2 over 4
 # ranks, and data x tensor with the dense parts split (attention, the dense MLP; the experts whole
-# on each tensor-parallel rank, sharded over the data-parallel ones). One sequence per micro batch
-# in both (2 accumulated on each data-parallel rank of 2 x 2): the load-balancing loss is taken
-# over the tokens of one forward, so two sequences in one would be another loss.
-MOE_4 = (*composition.overrides("fsdp2", "moe"), "model.moe.every=2", "trainer.micro_batch_size=1", STEPS)
-MOE_TP_4 = (*composition.overrides("fsdp2", "moe", "autotp"), "model.moe.every=2", "trainer.micro_batch_size=1", STEPS)
+# on each tensor-parallel rank, sharded over the data-parallel ones), every rank holding every
+# expert (expert_parallel.size=1). One sequence per micro batch in both (2 accumulated on each
+# data-parallel rank of 2 x 2): the load-balancing loss is taken over the tokens of one forward, so
+# two sequences in one would be another loss.
+
+
+def moe_layout(*axes: str, ep: int) -> tuple[str, ...]:
+    words = [w for w in composition.overrides("fsdp2", "moe", *axes) if not w.startswith("expert_parallel.size=")]
+    return (*words, f"expert_parallel.size={ep}", "model.moe.every=2", "trainer.micro_batch_size=1", STEPS)
+
+
+MOE_4, MOE_TP_4 = moe_layout(ep=1), moe_layout("autotp", ep=1)
 # Expert parallelism on the mesh: the experts split over pairs of data-parallel shards (each
 # expert sharded over the 2 ranks that hold it), over the 2 shards of each of 2 replicas (HSDP:
 # each rank holds its experts whole), and over the 2 data-parallel ranks of a 2 x 2 data x tensor
 # mesh (each tensor-parallel rank dispatches its own copy of the tokens)
-EP = "expert_parallel.size=2"
-MOE_EP_4, MOE_EP_HSDP_4, MOE_EP_TP_4 = (*MOE_4, EP), (*MOE_4, "engine.replicate=2", EP), (*MOE_TP_4, EP)
+MOE_EP_4, MOE_EP_TP_4 = moe_layout(ep=2), moe_layout("autotp", ep=2)
+MOE_EP_HSDP_4 = (*MOE_EP_4, "engine.replicate=2")
 # Ulysses sequence parallelism under fully_shard: 2 data-parallel ranks x 2 sequence-parallel ranks
 # (each holding half of every sequence; FSDP2 shards over all 4), and as HSDP (2 replicas, each one
 # sequence-parallel pair sharding between them)
