@@ -192,7 +192,30 @@ def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, steps_
         os.killpg(proc.pid, signal.SIGCONT)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    group_gone(proc.pid)
     return (run_dir / "checkpoints" / "latest").read_text()
+
+
+def group_gone(pgid: int, timeout: float = 60) -> None:
+    """Waits until every process of group `pgid` has ended (a zombie has: its files, and their
+    locks, are closed): the launcher ends before its ranks do, and a rank that is still dying holds
+    the run directory's lock (a resume started at once was refused: "in use by another run right
+    now")."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive_in_group(stat, pgid) for stat in Path("/proc").glob("[0-9]*/stat")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"processes of group {pgid} still alive {timeout} s after SIGKILL")
+
+
+def _alive_in_group(stat: Path, pgid: int) -> bool:
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return False  # gone meanwhile
+    state, group = fields[0], int(fields[2])
+    return group == pgid and state not in ("Z", "X")
 
 
 def stop_with_signal(signum: int, overrides: list[str], run_dir: Path) -> tuple[int, str]:
