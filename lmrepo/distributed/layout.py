@@ -15,8 +15,8 @@ Rank order, outermost first (the last dimension varies fastest between consecuti
 - `sp`, `tp`: sequence- and tensor-parallel groups of consecutive ranks, each group reading the
   same samples (DeepSpeed's Ulysses and AutoTP groups);
 - `ep`: expert parallelism splits each mixture-of-experts layer's experts over groups of `ep`
-  consecutive data-parallel ranks (DeepSpeed-MoE's expert groups); it does not change who reads
-  which samples.
+  consecutive data-parallel ranks (DeepSpeed-MoE's expert groups; on the torch mesh dp_shard cut
+  into edp x ep, expert_mesh); it does not change who reads which samples.
 """
 
 import math

@@ -16,6 +16,11 @@ then the root). What the groups mean here:
   tp.loss_parallel the LM head is split by vocabulary and the cross-entropy runs under torch's
   loss_parallel. Without them the embeddings, norms and the LM head stay whole on every rank of a
   tp group; the embeddings always do.
+- expert_parallel.size=E (a mixture of experts): each group of E data-parallel shards splits every
+  MoE layer's experts and trades tokens by all-to-all; each layer's experts are an FSDP unit
+  sharded over the ranks that hold the same ones (shard_experts), named by their global index.
+- sequence_parallel.size=N: DeepSpeed's Ulysses attention; FSDP2 shards over the data x sequence
+  ranks, the gradients summed over each sequence group and averaged over the data ranks.
 - checkpointing=full|every_n: the blocks recompute with torch.utils.checkpoint (non-reentrant).
 - trainer.compile: each block torch.compile'd before it is sharded.
 - optimizer, schedule, trainer.grad_clip: torch's fused Adam/AdamW with lmrepo's parameter groups,
