@@ -83,10 +83,19 @@ def register(model, size: int, micro_batch: int, documents: bool):
     return mpu
 
 
+def ulysses(model, config, micro_batch: int) -> "Slicer":
+    """Ulysses on `model` for the job's sequence_parallel.size (register: its groups are
+    consecutive ranks, the layout's sp), and the slicer of its batches (its `mpu` for
+    deepspeed.initialize), as every engine sets it up."""
+    documents = not config.data.cross_document_attention
+    return Slicer(register(model, config.sequence_parallel.size, micro_batch, documents))
+
+
 class Slicer:
     """This rank's slice of every batch, and the group's loss from this rank's share of it."""
 
     def __init__(self, mpu):
+        self.mpu = mpu
         self.group = mpu.get_sequence_parallel_group()
         self.rank, self.size = mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_world_size()
 

@@ -8,7 +8,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from lmrepo.config import TrainConfig
 from lmrepo.distributed.device import isolate_compile_cache
 from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.distributed.sequence_parallel import Slicer, register
+from lmrepo.distributed.sequence_parallel import ulysses
 from lmrepo.distributed.tp import count_every_shard_in_the_norm
 from lmrepo.engines.deepspeed_runtime import DeepSpeedEngine, initialize
 from lmrepo.engines.recompute import enable_activation_checkpointing
@@ -58,9 +58,10 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> DeepS
     fetch_blocks_whole(model, ds_config)
     compile_muon = compile_muon_choice(config.optimizer.compile)
     if layout.sp > 1:
-        documents = not config.data.cross_document_attention
-        mpu = register(model, layout.sp, ds_config["train_micro_batch_size_per_gpu"], documents)
-        engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), layout, Slicer(mpu))
+        slicer = ulysses(model, config, ds_config["train_micro_batch_size_per_gpu"])
+        engine = DeepSpeedEngine(
+            initialize(model, ds_config, mpu=slicer.mpu, compile_muon=compile_muon), layout, slicer
+        )
     else:
         mpu = tensor_parallel_groups(layout)
         engine = DeepSpeedEngine(initialize(model, ds_config, mpu=mpu, compile_muon=compile_muon), layout)

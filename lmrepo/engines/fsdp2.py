@@ -51,7 +51,7 @@ from lmrepo.distributed.device import isolate_compile_cache
 from lmrepo.distributed.grad_norm import by_mesh, global_grad_norm
 from lmrepo.distributed.launch import host_group
 from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.distributed.sequence_parallel import Slicer, register
+from lmrepo.distributed.sequence_parallel import Slicer, ulysses
 from lmrepo.distributed.tp import parallelize_blocks
 from lmrepo.engines.base import to_device
 from lmrepo.engines.layer_files import CLIENT_KEYS as PIPELINE_CLIENT_KEYS
@@ -348,10 +348,8 @@ def parallelize(
         fully_shard(module, **policy)
         if layout.sp > 1:
             # Each rank of a sequence-parallel group back-propagates its slice's share of the
-            # sequence's loss: summed over the group, averaged over the data-parallel ranks (a sum
-            # then a division: gloo has no pre-multiplied sum; the shard mesh has sp >= 2 ranks)
-            module.set_gradient_divide_factor(float(layout.dp))
-            module.set_force_sum_reduction_for_comms(True)
+            # sequence's loss: summed over the group, averaged over the data-parallel ranks
+            divide_gradients(module, layout.dp, policy["mesh"])
 
 
 def shard_experts(model: torch.nn.Module, layout: ParallelLayout, mesh: DeviceMesh, policy: dict) -> None:
@@ -365,12 +363,19 @@ def shard_experts(model: torch.nn.Module, layout: ParallelLayout, mesh: DeviceMe
     data_mesh = layout.expert_data_mesh(experts_mesh)
     for experts in place_experts(model, experts_mesh["ep"].get_group()):
         fully_shard(experts, **{**policy, "mesh": data_mesh})
-        experts.set_gradient_divide_factor(float(layout.dp))
-        if layout.dp_shard > layout.ep:
-            # the divide factor as a division after the sums: gloo has no pre-multiplied sum
-            # (NCCL's PREMUL_SUM). Not where one rank holds each shard (edp 1): FSDP2 then divides
-            # by the factor itself and, told to sum, would divide again.
-            experts.set_force_sum_reduction_for_comms(True)
+        divide_gradients(experts, layout.dp, data_mesh)
+
+
+def divide_gradients(unit, ranks: int, mesh: DeviceMesh) -> None:
+    """An FSDP2 unit's reduced gradients divided by `ranks` (every data-parallel rank), not
+    averaged over the ranks of `mesh` it is sharded on (expert parallelism: the ranks that hold
+    the same experts; sequence parallelism: data x sequence ranks, whose shares are summed). A sum
+    then a division where `mesh` shards over more than one rank: gloo has no pre-multiplied sum
+    (NCCL's PREMUL_SUM). Over one rank FSDP2 divides by the factor itself and, told to sum first,
+    would divide again."""
+    unit.set_gradient_divide_factor(float(ranks))
+    if mesh.size(mesh.ndim - 1) > 1:
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2Engine:
@@ -386,10 +391,7 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2
     own_loss = tiles > 1 or layout.sp > 1  # lmrepo's loss: tiled, or a sequence slice's share
     ep_rank = layout.ep_rank(dist.get_rank())
     model = build_model(config.model, tiles if own_loss else None, layout.ep, ep_rank)
-    slicer = None
-    if layout.sp > 1:  # Ulysses, as on DeepSpeed's engine (its groups: consecutive ranks, the layout's sp)
-        documents = not config.data.cross_document_attention
-        slicer = Slicer(register(model, layout.sp, ds_config["train_micro_batch_size_per_gpu"], documents))
+    slicer = ulysses(model, config, ds_config["train_micro_batch_size_per_gpu"]) if layout.sp > 1 else None
     vocabulary_parallel = layout.tp > 1 and tp.loss_parallel(config)
     if vocabulary_parallel and not own_loss:
         causal_loss.install(model, 1)  # lmrepo's loss: a plain loss from the split logits, which it never returns

@@ -75,9 +75,10 @@ from lmrepo.config.parallel import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from lmrepo.distributed.device import isolate_compile_cache
 from lmrepo.distributed.grad_norm import by_mesh, float64_norm, global_grad_norm
 from lmrepo.distributed.layout import ParallelLayout
-from lmrepo.distributed.sequence_parallel import Slicer, register
+from lmrepo.distributed.sequence_parallel import Slicer, ulysses
 from lmrepo.distributed.tp import parallelize_block
 from lmrepo.engines.base import pipeline_inputs
+from lmrepo.engines.fsdp2 import divide_gradients
 from lmrepo.engines.layer_files import (
     CLIENT_KEYS,
     load_layer,
@@ -241,8 +242,7 @@ def shard_chunks(chunks: nn.ModuleList, sharding: StageSharding, head: nn.Module
     for unit in units:
         fully_shard(unit, **policy)
         if sharding.divide_by is not None:  # as lmrepo.engines.fsdp2.parallelize does under sequence parallelism
-            unit.set_gradient_divide_factor(float(sharding.divide_by))
-            unit.set_force_sum_reduction_for_comms(True)
+            divide_gradients(unit, sharding.divide_by, sharding.mesh)
     return shared
 
 
@@ -692,10 +692,8 @@ def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> Torch
             # and its weight gradients later: a compiled backward that donates its saved buffers
             # refuses the first ("requires retain_graph=False"), so they are kept
             torch._functorch.config.donated_buffer = False
-    slicer = None
-    if layout.sp > 1:  # Ulysses in the stages' attention, as without a pipeline (consecutive ranks: the layout's sp)
-        documents = not config.data.cross_document_attention
-        slicer = Slicer(register(net, layout.sp, ds_config["train_micro_batch_size_per_gpu"], documents))
+    # Ulysses in the stages' attention, as without a pipeline
+    slicer = ulysses(net, config, ds_config["train_micro_batch_size_per_gpu"]) if layout.sp > 1 else None
     layers = pipe.pipeline_layers(net, config.model.family)
     loss = pipe.LMLoss(config.model.family, net.config.vocab_size)
     sharding = None

@@ -236,12 +236,13 @@ def place_experts(model: nn.Module, ep_group: dist.ProcessGroup) -> list[nn.Modu
     is given), and names its experts by their global index. Returns each layer's experts module,
     for FSDP2 to shard over the ranks that hold the same experts. The model was built with this
     rank's share (build_model's expert_parallel_size and _rank)."""
-    first = model.config.moe["expert_parallel_rank"] * (model.config.moe["experts"] // dist.get_world_size(ep_group))
+    ep_rank = model.config.moe["expert_parallel_rank"]
     placed = []
     for mlp in model.moe_layers():
         layer = mlp.moe.deepspeed_moe
         experts = layer.experts
         local = list(experts.deepspeed_experts)
+        first = ep_rank * len(local)  # as _init_weights numbers them
         experts.deepspeed_experts = nn.ModuleDict({str(first + i): expert for i, expert in enumerate(local)})
         experts.__class__ = _experts_by_global_index_class()
         layer._set_ep_group(ep_group)
