@@ -4,6 +4,7 @@ counted once."""
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
@@ -68,3 +69,15 @@ def float64_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of plain `tensors`, summed in float64 without a float64 copy of them (torch's
     get_total_norm has no dtype)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)))
+
+
+def divide_gradients(unit, ranks: int, mesh: DeviceMesh) -> None:
+    """An FSDP2 unit's reduced gradients divided by `ranks` (every data-parallel rank), not
+    averaged over the ranks of `mesh` it is sharded on (expert parallelism: the ranks that hold
+    the same experts; sequence parallelism: data x sequence ranks, whose shares are summed). A sum
+    then a division where `mesh` shards over more than one rank: gloo has no pre-multiplied sum
+    (NCCL's PREMUL_SUM). Over one rank FSDP2 divides by the factor itself and, told to sum first,
+    would divide again."""
+    unit.set_gradient_divide_factor(float(ranks))
+    if mesh.size(mesh.ndim - 1) > 1:
+        unit.set_force_sum_reduction_for_comms(True)

@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (
 from lmrepo.config import OffloadTarget, OptimizerConfig, TrainConfig
 from lmrepo.distributed import tp
 from lmrepo.distributed.device import isolate_compile_cache
-from lmrepo.distributed.grad_norm import by_mesh, global_grad_norm
+from lmrepo.distributed.grad_norm import by_mesh, divide_gradients, global_grad_norm
 from lmrepo.distributed.launch import host_group
 from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.distributed.sequence_parallel import Slicer, ulysses
@@ -364,18 +364,6 @@ def shard_experts(model: torch.nn.Module, layout: ParallelLayout, mesh: DeviceMe
     for experts in place_experts(model, experts_mesh["ep"].get_group()):
         fully_shard(experts, **{**policy, "mesh": data_mesh})
         divide_gradients(experts, layout.dp, data_mesh)
-
-
-def divide_gradients(unit, ranks: int, mesh: DeviceMesh) -> None:
-    """An FSDP2 unit's reduced gradients divided by `ranks` (every data-parallel rank), not
-    averaged over the ranks of `mesh` it is sharded on (expert parallelism: the ranks that hold
-    the same experts; sequence parallelism: data x sequence ranks, whose shares are summed). A sum
-    then a division where `mesh` shards over more than one rank: gloo has no pre-multiplied sum
-    (NCCL's PREMUL_SUM). Over one rank FSDP2 divides by the factor itself and, told to sum first,
-    would divide again."""
-    unit.set_gradient_divide_factor(float(ranks))
-    if mesh.size(mesh.ndim - 1) > 1:
-        unit.set_force_sum_reduction_for_comms(True)
 
 
 def build(config: TrainConfig, layout: ParallelLayout, ds_config: dict) -> FSDP2Engine:

@@ -73,12 +73,11 @@ from torch.distributed.tensor import DTensor
 from lmrepo.config import OffloadTarget, OptimizerConfig, PipelineConfig, TrainConfig
 from lmrepo.config.parallel import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from lmrepo.distributed.device import isolate_compile_cache
-from lmrepo.distributed.grad_norm import by_mesh, float64_norm, global_grad_norm
+from lmrepo.distributed.grad_norm import by_mesh, divide_gradients, float64_norm, global_grad_norm
 from lmrepo.distributed.layout import ParallelLayout
 from lmrepo.distributed.sequence_parallel import Slicer, ulysses
 from lmrepo.distributed.tp import parallelize_block
 from lmrepo.engines.base import pipeline_inputs
-from lmrepo.engines.fsdp2 import divide_gradients
 from lmrepo.engines.layer_files import (
     CLIENT_KEYS,
     load_layer,
