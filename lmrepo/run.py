@@ -419,6 +419,7 @@ def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
         if (hang := watchdog.describe(err)) is not None:
             # Any rank that lost its peer can tell: the same verdict, written atomically.
             write_status(run_dir, "failed", started_at, error=hang, step=watchdog.step)
+            watchdog.end_stopped_peers()
             refuse(hang, None, code=1)
         if rank0:
             write_status(run_dir, "failed", started_at, error=f"{type(err).__name__}: {err}")

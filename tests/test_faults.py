@@ -10,6 +10,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -215,6 +216,32 @@ def test_a_stopped_rank_ends_every_rank_with_its_name(tmp_path):
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and "rank 1" in status["error"] and "stopped" in status["error"], status
     print(f"every rank ended {took:.1f} s after rank 1 was stopped (run.hang_timeout_s=10)")
+
+
+def test_the_rank_that_reports_a_stopped_peer_kills_it_and_no_running_one(tmp_path):
+    """A peer stopped by job control takes no signal but SIGKILL, so the launcher's SIGTERM would
+    wait out its grace period (30 s): the rank that names it in the failure ends it. A peer that is
+    running is left alone (the launcher ends it)."""
+    from lmrepo.train.watchdog import Watchdog
+
+    stopped, running = (subprocess.Popen(["sleep", "600"]) for _ in range(2))
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_for(lambda: Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", stopped)
+        watchdog = Watchdog(tmp_path, 0, 3, 0, on_hang=None)
+        watchdog.beat(5)
+        for rank, peer in ((1, stopped), (2, running)):  # their heartbeats, as they write them
+            beat = {"rank": rank, "step": 5, "time": time.time(), "pid": peer.pid, "host": socket.gethostname()}
+            (tmp_path / ".heartbeat" / f"rank{rank:05d}.json").write_text(json.dumps({**beat, "node": "here"}))
+        line = watchdog.describe(RuntimeError("Timed out waiting 10000ms for recv operation to complete"))
+        assert f"rank 1 (pid {stopped.pid} on here) is stopped, at step 5" in line and "rank 2" not in line, line
+        watchdog.end_stopped_peers()
+        assert stopped.wait(timeout=60) == -signal.SIGKILL
+        assert running.poll() is None
+    finally:
+        for peer in (stopped, running):
+            peer.kill()
+            peer.wait()
 
 
 def test_a_rank_that_cannot_reach_the_rendezvous_ends_in_one_line(tmp_path):

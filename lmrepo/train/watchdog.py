@@ -12,6 +12,7 @@ twice the timeout records the hang and exits.
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ class Watchdog:
         self.directory, self.rank, self.world, self.timeout_s = run_dir / HEARTBEATS, rank, world, timeout_s
         self.on_hang = on_hang  # called with the message, from the watchdog thread, before the process exits
         self.step, self.last = 0, time.monotonic()
+        self.stopped_peers: set[int] = set()  # pids of peers on this machine found stopped by job control
         self.directory.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
         if timeout_s > 0:
@@ -65,6 +67,7 @@ class Watchdog:
                     f"{self.step} ({self.laggards() or 'no peer behind it'}; run.hang_timeout_s="
                     f"{self.timeout_s:g})"
                 )
+                self.end_stopped_peers()
                 os._exit(1)
 
     def laggards(self) -> str:
@@ -84,6 +87,8 @@ class Watchdog:
             if beat is None:
                 found.append(f"rank {rank} never reported")
             elif beat["host"] == socket.gethostname() and (state := process_state(beat["pid"])) in ("gone", "stopped"):
+                if state == "stopped" and job_control_stopped(beat["pid"]):
+                    self.stopped_peers.add(beat["pid"])
                 found.append(
                     f"rank {rank} (pid {beat['pid']} on {beat.get('node')}) is {state}, at step {beat['step']}"
                 )
@@ -110,6 +115,26 @@ class Watchdog:
             f"{cause} after step {self.step}: {found or 'every rank reached the same step'} "
             f"(run.hang_timeout_s={self.timeout_s:g})"
         )
+
+    def end_stopped_peers(self) -> None:
+        """Kills the peers found stopped by job control (SIGSTOP, Ctrl-Z) once this rank has ended
+        the run for them. A stopped process takes no signal but SIGKILL: the launcher's SIGTERM
+        would sit until its grace period ran out (30 s under deepspeed and torchrun) before the
+        job could end. A peer stopped by a debugger is left to its debugger and the launcher."""
+        for pid in self.stopped_peers:
+            if pid != os.getpid() and job_control_stopped(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:  # gone meanwhile, or not ours to end
+                    pass
+
+
+def job_control_stopped(pid: int) -> bool:
+    """Stopped by SIGSTOP or Ctrl-Z (state T), not traced by a debugger (t)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def process_state(pid: int) -> str:
