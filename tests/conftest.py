@@ -212,7 +212,8 @@ def fork_server(token_cache, tmp_path_factory):
     """The worker's fork server (tests/tools/fork_server.py): torch and transformers imported once,
     every direct launch's processes forked from it. Started once the session's environment is set
     (token_cache), since a launch in another environment is refused by it and started the old way;
-    until it is listening, launches start the old way too. LMREPO_TEST_FORK_SERVER=off: none."""
+    while it imports, launches wait for it (tools/start_ranks.py; started the old way, each rank
+    paid the imports again beside the server's). LMREPO_TEST_FORK_SERVER=off: none."""
     import shutil
     import tempfile
 
@@ -226,6 +227,7 @@ def fork_server(token_cache, tmp_path_factory):
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(shared_temp(tmp_path_factory) / f"fork-server-{worker}.log", "w") as log:
         server = subprocess.Popen([PYTHON, str(FORK_SERVER), path], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    os.environ["LMREPO_TEST_FORK_SERVER_PID"] = f"{server.pid}:{path}"  # launches wait while it imports
     yield path
     server.terminate()
     server.wait(timeout=60)

@@ -54,12 +54,32 @@ def end(ranks: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
             proc.wait()
 
 
+def server_starting(path: str, limit_s: float = 300) -> None:
+    """Waits while the worker's fork server is still importing (its socket not there yet, its
+    process alive: LMREPO_TEST_FORK_SERVER_PID): the session's first launches came before it
+    listened, and started every rank afresh, paying the imports again beside the server's own.
+    Only for the server of that variable's path: a test's own server, or none, is not waited for."""
+    pid, _, server_path = os.environ.get("LMREPO_TEST_FORK_SERVER_PID", "").partition(":")
+    if server_path != path:
+        return
+    deadline = time.monotonic() + limit_s
+    while pid and not os.path.exists(path) and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":  # died at its start: no server
+                    return
+        except OSError:
+            return
+        time.sleep(0.1)
+
+
 def through_fork_server(n: int, command: list[str], port: str) -> int | None:
     """The launch run by the fork server: its exit status, or None when there is no server or it
     refused the launch (nothing has started then)."""
     path = os.environ.get("LMREPO_TEST_FORK_SERVER")
     if not path or command[0].startswith("-"):  # the server runs script files, not -c or -m
         return None
+    server_starting(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     request = {"argv": command, "ranks": n, "env": dict(os.environ), "cwd": os.getcwd(), "port": port}
     try:
