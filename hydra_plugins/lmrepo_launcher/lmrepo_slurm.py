@@ -46,6 +46,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0  # how often the sweep looks at its jobs' result files; Slurm itself is asked less often
+# How long after a job's train.py wrote its status.json (completed, stopped, failed) the sweep asks
+# Slurm at every poll: its tasks end within seconds of that write. Otherwise submitit asks at 2, 4,
+# 8, ... s after the submission and then every 10 minutes, so a sweep learnt of an hour-long job's
+# end up to 10 minutes late (its next batch waited as long).
+ENDING_S = 60.0
 
 
 class LmrepoSlurmLauncher(SlurmLauncher):
@@ -117,7 +122,8 @@ class LmrepoSlurmLauncher(SlurmLauncher):
         running = list(submitted)
         while running:
             for job, slurm_job in list(running):
-                state = slurm_job.watcher.get_state(slurm_job.job_id, mode="standard")
+                mode = "force" if ending(job) else "standard"
+                state = slurm_job.watcher.get_state(slurm_job.job_id, mode=mode)
                 if state != states.get(slurm_job.job_id, "UNKNOWN"):
                     states[slurm_job.job_id] = state
                     where = slurm_job.watcher.get_info(slurm_job.job_id, mode="cache").get("NodeList", "")
@@ -129,16 +135,26 @@ class LmrepoSlurmLauncher(SlurmLauncher):
                 time.sleep(POLL_S)
 
 
+def ending(job: Job) -> bool:
+    """train.py wrote the job's status.json within ENDING_S, since the sweep submitted it."""
+    try:
+        written = (job.run_dir / "status.json").stat().st_mtime
+    except OSError:
+        return False
+    return job.started <= written and time.time() - written < ENDING_S
+
+
 def conclude(job: Job, slurm_job: "SlurmJob") -> None:
     """How a job ended: completed (its objective read), stopped with a checkpoint by a signal from
     outside the sweep (scancel, a pre-emption that was not requeued), or failed: train.py's own
     error (status.json), else the last `lmrepo: error:` line of its tasks' logs, else Slurm's state."""
     status = read_status(job.run_dir)
-    try:
-        slurm_job.results()
-        ended = status.get("status")
-    except Exception:  # submitit's UncompletedJobError and a task's exception, with Slurm's state in it
-        ended = status.get("status") if status.get("status") in ("failed", "stopped") else "failed"
+    ended = status.get("status")
+    if ended not in ("failed", "stopped"):  # train.py's own verdict needs no result file from submitit
+        try:
+            slurm_job.results()  # waits up to 15 s for a result file a job that died never writes
+        except Exception:  # submitit's UncompletedJobError and a task's exception, with Slurm's state in it
+            ended = "failed"
     if ended == "stopped":
         job.error = (
             f"stopped at step {status.get('final', {}).get('step', 0)} by {status.get('signal', 'a signal')} "
