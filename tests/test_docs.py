@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import GPU, PYTHON, REPO, TINY, assert_ok, validate
+from harness import FORKED_PYTHON, GPU, REPO, TINY, assert_ok, validate
 from lmrepo.plan.compose import compose_config
 
 DOCS = REPO / "docs"
@@ -162,11 +162,17 @@ def test_every_follow_up_names_a_run_that_saves():
 
 
 def shrunk(words: list[str], sizes: list[str]) -> list[str]:
-    """A docs line to run here: python from this environment, the scripts from this checkout, the
-    tiny sizes appended where the line does not set the key."""
+    """A docs line to run here: python from this environment (forked from the worker's fork server,
+    as `python SCRIPT`), the scripts from this checkout, the tiny sizes appended where the line does
+    not set the key."""
     keys = {w.split("=", 1)[0] for w in words}
     script = next(i for i, w in enumerate(words) if w.endswith(".py"))
-    return [PYTHON, str(REPO / words[script]), *words[script + 1 :], *(s for s in sizes if s.split("=")[0] not in keys)]
+    return [
+        *FORKED_PYTHON,
+        str(REPO / words[script]),
+        *words[script + 1 :],
+        *(s for s in sizes if s.split("=")[0] not in keys),
+    ]
 
 
 def line(page: str, start: str) -> list[str]:

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from harness import FORKED_PYTHON, PYTHON, REPO, TINY, assert_ok, kill_9_after_a_save, read_metrics, run_train
+from harness import FORKED_PYTHON, REPO, TINY, assert_ok, kill_9_after_a_save, read_metrics, run_train
 from lmrepo.export import consolidate
 from lmrepo.models.mixtral import to_transformers_mixtral
 from lmrepo.plan.compose import compose_config
@@ -124,7 +124,7 @@ def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(laun
     generated = tmp_path / "generated.json"
     proc = subprocess.run(
         [
-            PYTHON,
+            *FORKED_PYTHON,
             str(REPO / "scripts" / "generate.py"),
             f"run={run_dir}",
             "prompt=ROMEO:",
@@ -139,7 +139,7 @@ def test_export_is_transformers_mixtral_with_lmrepos_logits_and_scripts_run(laun
     assert len(json.loads(generated.read_text())["new_tokens"]) == 4
     proc = subprocess.run(
         [
-            PYTHON,
+            *FORKED_PYTHON,
             str(REPO / "scripts" / "evaluate.py"),
             f"run={run_dir}",
             "tasks=shakespeare_lastword",
@@ -177,7 +177,7 @@ def test_activation_checkpointing_keeps_the_load_balancing_gradient(tmp_path):
     DeepSpeed's checkpointing used to leave out."""
     overrides = [*TINY, *MOE, "model.moe.aux_loss_coef=1", "schedule=constant", "schedule.warmup_steps=0"]
     probe = [str(REPO / "tests" / "probes" / "moe_checkpointing_probe.py"), str(tmp_path), "3", *overrides]
-    assert_ok(subprocess.run([PYTHON, *probe], capture_output=True, text=True))
+    assert_ok(subprocess.run([*FORKED_PYTHON, *probe], capture_output=True, text=True))
     runs = torch.load(tmp_path / "moe_checkpointing.pt")
     assert all(step["lr"] > 0 for run in runs.values() for step in run)
     # The recompute repeats the forward's arithmetic; backward may add a router's two gradients
