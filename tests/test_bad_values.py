@@ -140,7 +140,7 @@ def verdicts(tmp_path_factory):
     (root / "cases.json").write_text(json.dumps([overrides.split() for overrides, _ in CASES]))
     env = dict(os.environ, LMREPO_CACHE=str(cache), WANDB_MODE="offline")
     proc = subprocess.run(
-        [PYTHON, str(REPO / "tests" / "probes" / "bad_value_driver.py"), str(root / "cases.json")],
+        [*FORKED_PYTHON, str(REPO / "tests" / "probes" / "bad_value_driver.py"), str(root / "cases.json")],
         cwd=work,
         env=env,
         capture_output=True,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from harness import PYTHON, REPO, assert_ok
+from harness import FORKED_PYTHON, REPO, assert_ok
 from lmrepo.estimate import model_state_bytes, zero12_model_state_bytes
 
 BENCHMARKS = REPO / "benchmarks"
@@ -30,7 +30,7 @@ HEADINGS = (
 
 def run_benchmark(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [PYTHON, str(BENCHMARKS / name), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [*FORKED_PYTHON, str(BENCHMARKS / name), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
 
 

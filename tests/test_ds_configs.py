@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import PYTHON, REPO, TINY, read_metrics, run_train
+from harness import FORKED_PYTHON, REPO, TINY, read_metrics, run_train
 from lmrepo.distributed.device import detect_device
 
 CONFIGS = REPO / "tests" / "data" / "ds_configs"
@@ -111,7 +111,7 @@ def refusals(tmp_path_factory):
     cases = [[*SHORT, f"deepspeed_config={CONFIGS / name}", f"hydra.run.dir={root / name}"] for name in REFUSED]
     (root / "cases.json").write_text(json.dumps(cases))
     proc = subprocess.run(
-        [PYTHON, str(REPO / "tests" / "probes" / "bad_value_driver.py"), str(root / "cases.json")],
+        [*FORKED_PYTHON, str(REPO / "tests" / "probes" / "bad_value_driver.py"), str(root / "cases.json")],
         cwd=root,
         capture_output=True,
         text=True,

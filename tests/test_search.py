@@ -9,13 +9,13 @@ import optuna
 import pytest
 import yaml
 
-from harness import FORKED_PYTHON, PYTHON, REPO, TINY, read_metrics
+from harness import FORKED_PYTHON, REPO, TINY, read_metrics
 
 
 def search(root, *overrides, timeout=900):
     return subprocess.run(
         [
-            PYTHON,
+            *FORKED_PYTHON,
             str(REPO / "train.py"),
             "hparams_search=lr_optuna",
             "launcher.ranks=1",

@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.activations import ACT2FN
 
-from harness import CPU, GPU, PYTHON, REPO
+from harness import CPU, FORKED_PYTHON, GPU, PYTHON, REPO
 from lmrepo.config import compile_by_default
 from lmrepo.estimate import active_block_params
 from lmrepo.models import build_model
@@ -129,7 +129,7 @@ def ruler(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("ruler")
     proc = subprocess.run(
-        [PYTHON, str(REPO / "benchmarks" / "bench_throughput.py"), "--quick", "--out", str(out)],
+        [*FORKED_PYTHON, str(REPO / "benchmarks" / "bench_throughput.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -208,7 +208,7 @@ def test_deepspeeds_bf16_step_without_zero_reads_a_few_values_not_one_per_gradie
     (1). DeepSpeed's own check read 28 more."""
     import subprocess
 
-    command = [PYTHON, str(REPO / "benchmarks" / "bench_throughput.py"), "--quick", "--arms", "ds-z0"]
+    command = [*FORKED_PYTHON, str(REPO / "benchmarks" / "bench_throughput.py"), "--quick", "--arms", "ds-z0"]
     proc = subprocess.run(
         [*command, "--out", str(tmp_path), "precision=bf16"], capture_output=True, text=True, cwd=REPO, timeout=600
     )

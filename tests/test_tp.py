@@ -11,7 +11,18 @@ import subprocess
 import pytest
 import torch
 
-from harness import BF16, PYTHON, REPO, TINY, assert_ok, launcher, read_metrics, run_train, train_losses, validate
+from harness import (
+    BF16,
+    FORKED_PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    launcher,
+    read_metrics,
+    run_train,
+    train_losses,
+    validate,
+)
 from lmrepo.distributed.device import detect_device
 from lmrepo.generate import main as generate_main
 from lmrepo.plan.compose import compose_checked
@@ -150,7 +161,7 @@ def test_tp_config_and_refusals():
 def test_train_py_refuses_gpt2_tp_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [PYTHON, str(REPO / "train.py"), *TINY, "tp=auto", f"hydra.run.dir={run_dir}"],
+        [*FORKED_PYTHON, str(REPO / "train.py"), *TINY, "tp=auto", f"hydra.run.dir={run_dir}"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
