@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lmrepo.config import register
+from lmrepo.config.hydra_mode import skip_needless_mode_probe
 from lmrepo.config.messages import one_line_config_errors, one_line_disk_errors
 from lmrepo.distributed.launch import adopt_slurm_env, prepare_argv, world_size
 from lmrepo.plan.rules import load_checked
@@ -27,6 +28,7 @@ from lmrepo.utils.errors import ConfigError
 
 prepare_argv()  # the launcher's --local_rank must not reach Hydra; one run dir name for all ranks
 register()  # the typed schema conf/train.yaml composes over
+skip_needless_mode_probe()  # Hydra composes the config once more only to read hydra.mode
 quiet.install()  # library notices that ask nothing of the user; hydra.verbose=true keeps them
 
 

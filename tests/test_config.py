@@ -134,6 +134,39 @@ def test_every_experiment_recipe_composes_and_validates(recipe, tmp_path):
         validate(job_cfg, cfg.launcher.ranks, GPU)
 
 
+def test_only_the_recipes_can_make_a_command_a_sweep(monkeypatch):
+    """train.py answers Hydra's run-or-sweep probe without composing unless the command line names
+    experiment, hparams_search, hydra.mode, a hydra/ group or another primary config
+    (lmrepo.config.hydra_mode): no other config file may set hydra.mode, and where the shortcut
+    answers, Hydra's own probe answers the same."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.types import RunMode
+
+    from lmrepo.config import register
+    from lmrepo.config.hydra_mode import may_set_mode
+
+    for path in CONF.rglob("*.yaml"):
+        group = path.relative_to(CONF).parts[0]
+        if group not in ("experiment", "hparams_search"):  # Hydra's own groups are packaged under hydra.
+            assert OmegaConf.select(OmegaConf.load(path), "mode" if group == "hydra" else "hydra.mode") is None, path
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    register()
+    hydra = Hydra.create_main_hydra2("train", create_automatic_config_search_path("train", None, str(CONF)))
+    for overrides, mode in (
+        ([], None),
+        (["zero=stage3", "hydra.run.dir=/tmp/x"], None),
+        (["experiment=zero_sweep"], RunMode.MULTIRUN),
+        (["hparams_search=lr_optuna"], RunMode.MULTIRUN),
+        (["hydra.mode=MULTIRUN"], RunMode.MULTIRUN),
+    ):
+        assert may_set_mode("train", overrides) == (mode is not None), overrides
+        assert hydra.get_mode("train", overrides) == mode, overrides
+    assert may_set_mode("other", []) and may_set_mode("train", ["+experiment=zero_sweep"])
+    monkeypatch.setattr("sys.argv", ["train.py", "--config-name", "mine"])
+    assert may_set_mode("train", [])
+
+
 @pytest.mark.parametrize("option", all_options())
 def test_option_composes_to_its_yaml(option):
     """Each option's keys reach the config as its YAML writes them (the schema fills the rest)."""
