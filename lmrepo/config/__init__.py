@@ -118,7 +118,9 @@ def register() -> None:
     resolver behind `python train.py --help` (conf/hydra/help/lmrepo.yaml)."""
     from lmrepo.config.reference import register_help_resolver
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+    store = ConfigStore.instance()
+    if f"{SCHEMA_NAME}.yaml" not in store.repo:  # once a process: storing builds the schema anew (~15 ms)
+        store.store(name=SCHEMA_NAME, node=TrainConfig)
     register_help_resolver()
 
 

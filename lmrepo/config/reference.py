@@ -100,6 +100,7 @@ def group_options() -> dict[str, list[str]]:
     return {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in TECHNIQUE_GROUPS}
 
 
+@cache  # read on every composition (the --help resolver): conf/train.yaml once a process
 def default_choices() -> dict[str, str]:
     defaults = OmegaConf.load(CONF_DIR / "train.yaml").defaults
     return {
@@ -186,7 +187,7 @@ def markdown(config: DictConfig) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
-    choices = default_choices()
+    choices = dict(default_choices())
     out = [
         "# Option reference",
         "",
