@@ -141,6 +141,7 @@ def test_only_the_recipes_can_make_a_command_a_sweep(monkeypatch):
     answers, Hydra's own probe answers the same."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
     from lmrepo.config import register
@@ -153,15 +154,18 @@ def test_only_the_recipes_can_make_a_command_a_sweep(monkeypatch):
     monkeypatch.setattr("sys.argv", ["train.py"])
     register()
     hydra = Hydra.create_main_hydra2("train", create_automatic_config_search_path("train", None, str(CONF)))
-    for overrides, mode in (
-        ([], None),
-        (["zero=stage3", "hydra.run.dir=/tmp/x"], None),
-        (["experiment=zero_sweep"], RunMode.MULTIRUN),
-        (["hparams_search=lr_optuna"], RunMode.MULTIRUN),
-        (["hydra.mode=MULTIRUN"], RunMode.MULTIRUN),
-    ):
-        assert may_set_mode("train", overrides) == (mode is not None), overrides
-        assert hydra.get_mode("train", overrides) == mode, overrides
+    try:
+        for overrides, mode in (
+            ([], None),
+            (["zero=stage3", "hydra.run.dir=/tmp/x"], None),
+            (["experiment=zero_sweep"], RunMode.MULTIRUN),
+            (["hparams_search=lr_optuna"], RunMode.MULTIRUN),
+            (["hydra.mode=MULTIRUN"], RunMode.MULTIRUN),
+        ):
+            assert may_set_mode("train", overrides) == (mode is not None), overrides
+            assert hydra.get_mode("train", overrides) == mode, overrides
+    finally:
+        GlobalHydra.instance().clear()
     assert may_set_mode("other", []) and may_set_mode("train", ["+experiment=zero_sweep"])
     monkeypatch.setattr("sys.argv", ["train.py", "--config-name", "mine"])
     assert may_set_mode("train", [])
