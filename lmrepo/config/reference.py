@@ -5,6 +5,7 @@ both generated here, so neither can drift from the schema."""
 import ast
 import enum
 import inspect
+import sys
 import textwrap
 import types
 import typing
@@ -282,7 +283,14 @@ def with_generated_tables(page: str) -> str:
 
 def register_help_resolver() -> None:
     if not OmegaConf.has_resolver("lmrepo_help"):
-        OmegaConf.register_new_resolver("lmrepo_help", lambda *, _root_: help_text(_root_))
+        OmegaConf.register_new_resolver("lmrepo_help", lambda *, _root_: help_text(_root_) if asks_for_help() else "")
+
+
+def asks_for_help() -> bool:
+    """`--help` or `-h` on this process's command line. Hydra resolves the help template in every
+    composition, and the text (the schema's docstrings, parsed from lmrepo's source) cost every
+    train.py process ~0.1 CPU-s of its start; only --help prints it."""
+    return any(arg in ("--help", "-h") for arg in sys.argv[1:])
 
 
 OPTIONS_PAGE = CONF_DIR.parent / "docs" / "reference" / "options.md"
