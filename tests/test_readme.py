@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import PYTHON, REPO, TINY, read_metrics
+from harness import FORKED_PYTHON, PYTHON, REPO, TINY, read_metrics
 from lmrepo.distributed.launch import free_port
 
 DEEPSPEED = str(Path(PYTHON).with_name("deepspeed"))
@@ -113,8 +113,8 @@ def run_line(line: str, cwd: Path) -> subprocess.CompletedProcess:
         return arg
 
     program, *args = tour[line]
-    if program == "python":
-        command = [PYTHON]
+    if program == "python":  # this environment's python, forked from the worker's fork server
+        command = [*FORKED_PYTHON]
     elif program == "deepspeed":  # on a free port: other tests' ranks may be running
         command = [DEEPSPEED, "--master_port", str(free_port())]
     else:
