@@ -222,12 +222,12 @@ def test_the_rank_that_reports_a_stopped_peer_kills_it_and_no_running_one(tmp_pa
     """A peer stopped by job control takes no signal but SIGKILL, so the launcher's SIGTERM would
     wait out its grace period (30 s): the rank that names it in the failure ends it. A peer that is
     running is left alone (the launcher ends it)."""
-    from lmrepo.train.watchdog import Watchdog
+    from lmrepo.train.watchdog import Watchdog, job_control_stopped
 
     stopped, running = (subprocess.Popen(["sleep", "600"]) for _ in range(2))
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
-        wait_for(lambda: Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", stopped)
+        wait_for(lambda: job_control_stopped(stopped.pid), stopped)
         watchdog = Watchdog(tmp_path, 0, 3, 0, on_hang=None)
         watchdog.beat(5)
         for rank, peer in ((1, stopped), (2, running)):  # their heartbeats, as they write them

@@ -131,16 +131,17 @@ class Watchdog:
 
 def job_control_stopped(pid: int) -> bool:
     """Stopped by SIGSTOP or Ctrl-Z (state T), not traced by a debugger (t)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    return state_letter(pid) == "T"
+
+
+def state_letter(pid: int) -> str | None:
+    """The process's state in /proc (Linux): R, S, T (stopped), t (traced), Z, ...; None once gone."""
+    try:  # the field after the command's name, which may hold spaces and parentheses
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return None
 
 
 def process_state(pid: int) -> str:
     """gone | stopped | running, from /proc (Linux)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
+    return {None: "gone", "Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state_letter(pid), "running")

@@ -62,13 +62,11 @@ def server_starting(path: str, limit_s: float = 300) -> None:
     pid, _, server_path = os.environ.get("LMREPO_TEST_FORK_SERVER_PID", "").partition(":")
     if server_path != path:
         return
+    from lmrepo.train.watchdog import process_state
+
     deadline = time.monotonic() + limit_s
     while pid and not os.path.exists(path) and time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":  # died at its start: no server
-                    return
-        except OSError:
+        if process_state(int(pid)) == "gone":  # died at its start: no server
             return
         time.sleep(0.1)
 
