@@ -146,9 +146,11 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_c
     if "JobState=PENDING" in now:
         subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], env=env, check=True)
     output = proc.communicate(timeout=900)[0]
-    assert proc.returncode == 0, output[-3000:]
-
     logs = task_logs(run_dir)
+    controller = (slurm_cluster.parent / "slurmctld.log").read_text(errors="replace")
+    told = f"{output[-3000:]}\n--- the tasks' logs:\n{logs[-5000:]}\n--- slurmctld:\n{controller[-2000:]}"
+    assert proc.returncode == 0, told
+
     saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert "Slurm restarted this job (1 time(s))" in logs and "lmrepo: resumed from" in logs, logs[-3000:]
     assert 3 <= saved <= 400 and json.loads((run_dir / "status.json").read_text())["status"] == "completed"

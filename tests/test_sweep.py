@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import PYTHON, REPO, TINY, assert_ok, env_without_wandb_key, read_metrics, summary_rows
+from lmrepo.distributed.launch import SLURM_MASTER_PORTS
 from lmrepo.plan.compose import compose_config
 
 
@@ -324,12 +325,24 @@ def test_slurm_task_variables_become_a_torch_distributed_environment():
             "SLURM_JOB_NODELIST": "localhost,gpu02",
         }
     )
+    env.pop("MASTER_PORT", None)
     script = (
         "import os; from lmrepo.distributed.launch import adopt_slurm_env; adopt_slurm_env(); "
-        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])"
+        "print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')))"
     )
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["5", "8", "1", "localhost"]
+
+    def adopted(**changes: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", script], env={**env, **changes}, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.split()
+
+    *task, port = adopted()
+    assert task == ["5", "8", "1", "localhost"]
+    # Every task of an attempt computes one port, outside the kernel's own range; a requeued
+    # attempt another (the last one's may still be held); a job's own address and port are kept.
+    assert int(port) in SLURM_MASTER_PORTS and adopted()[-1] == port
+    assert adopted(SLURM_RESTART_COUNT="1")[-1] != port and adopted(SLURM_JOB_ID="43")[-1] != port
+    assert adopted(MASTER_ADDR="10.0.0.7", MASTER_PORT="29555")[-2:] == ["10.0.0.7", "29555"]
     # A first node whose name does not resolve, where no scontrol knows it: one line naming it
     # (tests/test_slurm.py reaches such a node at its Slurm NodeAddr)
     env.update(SLURM_JOB_NODELIST="gpu[01-02]", PATH=os.path.dirname(sys.executable))

@@ -92,16 +92,36 @@ def node_count(world: int, planned: int) -> int:
 
 def adopt_slurm_env() -> None:
     """A job started by Slurm (hydra/launcher=slurm, or srun) has SLURM_PROCID / SLURM_NTASKS per
-    task but no RANK: submitit derives RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT from them."""
+    task but no RANK: submitit derives RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR (the first
+    node) from them; the port is slurm_master_port's. A MASTER_ADDR or MASTER_PORT the job sets is kept."""
     if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
         return
     from submitit.helpers import TorchDistributedEnvironment
 
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # submitit sets it in its jobs; a plain srun does not
+    address = os.environ.get("MASTER_ADDR")  # the job's own, where it sets one
+    os.environ.setdefault("MASTER_PORT", str(slurm_master_port()))  # submitit takes a port that is set
 
     # Every task keeps all GPUs of its node visible: DeepSpeed picks cuda:LOCAL_RANK itself.
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    os.environ["MASTER_ADDR"] = node_address(os.environ["MASTER_ADDR"])
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    os.environ["MASTER_ADDR"] = address or node_address(os.environ["MASTER_ADDR"])
+
+
+# Where a Slurm job's rank 0 listens: below Linux's default range for ports the kernel picks
+# itself (32768-60999), which every node is taken to share, since no node asks another.
+SLURM_MASTER_PORTS = range(20000, 32768)
+
+
+def slurm_master_port() -> int:
+    """The rendezvous port of this Slurm job's attempt, which every task computes alike from the
+    job id and its restarts. submitit's own (a random pick in 20000-60000 seeded by the job id
+    alone) mostly lies where any outgoing connection on the node may hold it, and is the same
+    port again after a requeue: a requeued job's rank 0 then could not bind it now and then."""
+    import zlib
+
+    job = os.environ.get("SLURM_JOB_ID", "0")
+    attempt = f"{job}.{slurm_restarts()}".encode()
+    return SLURM_MASTER_PORTS[zlib.crc32(attempt) % len(SLURM_MASTER_PORTS)]
 
 
 def slurm_restarts() -> int:
@@ -257,9 +277,13 @@ def refuse_a_taken_master_port() -> None:
         try:
             s.bind(("", port))
         except OSError:
+            how = (
+                f"set MASTER_PORT={free_port()} in the job's environment"
+                if "SLURM_JOB_ID" in os.environ
+                else f"launch with deepspeed --master_port {free_port()} (torchrun: --master-port)"
+            )
             raise ConfigError(
-                f"MASTER_PORT {port} is in use (another job on this machine?): launch with "
-                f"deepspeed --master_port {free_port()} (torchrun: --master-port) or stop the other job"
+                f"MASTER_PORT {port} is in use (another job on this machine?): {how} or stop the other job"
             ) from None
 
 
