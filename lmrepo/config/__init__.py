@@ -10,6 +10,7 @@ ConfigError naming the key, before anything is written or any process group star
 refuses to combine is the rules table's (lmrepo.plan.rules), one layer up.
 """
 
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -124,6 +125,13 @@ def register() -> None:
     register_help_resolver()
 
 
+@functools.cache
+def schema() -> DictConfig:
+    """TrainConfig as OmegaConf's structured config, built once a process (~20 ms each time):
+    OmegaConf.merge copies its first config, so load() never changes it."""
+    return OmegaConf.structured(TrainConfig)
+
+
 def load(cfg: DictConfig) -> TrainConfig:
     """The composed config as a checked TrainConfig: types (again, for keys added with `+`),
     missing values, then each component's own rules. What lmrepo refuses to combine is the rules
@@ -131,7 +139,7 @@ def load(cfg: DictConfig) -> TrainConfig:
     try:
         # As a plain container: a config Hydra composed over the schema is already a TrainConfig,
         # and OmegaConf keeps the keys `+key=value` added to it when merging same-typed configs.
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=False))
+        merged = OmegaConf.merge(schema(), OmegaConf.to_container(cfg, resolve=False))
         config: TrainConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(describe_omegaconf_error(err)) from None
