@@ -115,8 +115,8 @@ SLURM_MASTER_PORTS = range(20000, 32768)
 def slurm_master_port() -> int:
     """The rendezvous port of this Slurm job's attempt, which every task computes alike from the
     job id and its restarts. submitit's own (a random pick in 20000-60000 seeded by the job id
-    alone) mostly lies where any outgoing connection on the node may hold it, and is the same
-    port again after a requeue: a requeued job's rank 0 then could not bind it now and then."""
+    alone) mostly lies in that range, where any outgoing connection on the node may hold it
+    when rank 0 binds it, and is the same port again after a requeue."""
     import zlib
 
     job = os.environ.get("SLURM_JOB_ID", "0")
