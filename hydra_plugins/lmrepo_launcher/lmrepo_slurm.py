@@ -39,7 +39,6 @@ from hydra_plugins.lmrepo_launcher.lmrepo_launcher import (
     record_failure,
     sweep_group,
 )
-from lmrepo.train.stop import preemption_signal
 
 if TYPE_CHECKING:
     from submitit.slurm.slurm import SlurmJob
@@ -52,10 +51,6 @@ POLL_S = 2.0  # how often the sweep looks at its jobs' result files; Slurm itsel
 # 8, ... s after the submission and then every 10 minutes, so a sweep learnt of an hour-long job's
 # end up to 10 minutes late (its next batch waited as long).
 ENDING_S = 60.0
-# How long a job that train.py stopped at the time-limit signal (submitit then requeues it) may look
-# ended to Slurm before the sweep believes it: a requeued job can show a final state (FAILED) for a
-# moment on its way back to PENDING, and the sweep, asking every 2 s, once took that for its end.
-REQUEUE_SETTLE_S = 30.0
 
 
 class LmrepoSlurmLauncher(SlurmLauncher):
@@ -124,24 +119,16 @@ class LmrepoSlurmLauncher(SlurmLauncher):
     def _wait(self, submitted: list[tuple[Job, "SlurmJob"]]) -> None:
         """Until every job ended: a line when a job's Slurm state changes, then how it ended."""
         states: dict[str, str] = {}
-        looked_ended: dict[str, float] = {}  # since when a job that may be requeued looks ended
         running = list(submitted)
         while running:
             for job, slurm_job in list(running):
-                job_id = slurm_job.job_id
                 mode = "force" if ending(job) else "standard"
-                state = slurm_job.watcher.get_state(job_id, mode=mode)
-                if state != states.get(job_id, "UNKNOWN"):
-                    states[job_id] = state
-                    where = slurm_job.watcher.get_info(job_id, mode="cache").get("NodeList", "")
-                    log.info(f"lmrepo: job #{job.num} (Slurm {job_id}): {state} {where}".rstrip())
-                if not slurm_job.done():
-                    looked_ended.pop(job_id, None)
-                elif requeue_may_follow(job) and time.time() - looked_ended.setdefault(job_id, time.time()) < (
-                    REQUEUE_SETTLE_S
-                ):
-                    slurm_job.watcher.forget(job_id)  # Slurm is asked again at the next poll
-                else:
+                state = slurm_job.watcher.get_state(slurm_job.job_id, mode=mode)
+                if state != states.get(slurm_job.job_id, "UNKNOWN"):
+                    states[slurm_job.job_id] = state
+                    where = slurm_job.watcher.get_info(slurm_job.job_id, mode="cache").get("NodeList", "")
+                    log.info(f"lmrepo: job #{job.num} (Slurm {slurm_job.job_id}): {state} {where}".rstrip())
+                if slurm_job.done():
                     running.remove((job, slurm_job))
                     conclude(job, slurm_job)
             if running:
@@ -155,21 +142,6 @@ def ending(job: Job) -> bool:
     except OSError:
         return False
     return job.started <= written and time.time() - written < ENDING_S
-
-
-def requeue_may_follow(job: Job) -> bool:
-    """train.py stopped the job at the time-limit signal (status.json, since the sweep submitted
-    it): submitit requeues such a job, up to hydra.launcher.max_num_timeout times."""
-    status = read_status(job.run_dir)
-    try:
-        written = (job.run_dir / "status.json").stat().st_mtime
-    except OSError:
-        return False
-    return (
-        status.get("status") == "stopped"
-        and status.get("signal") == preemption_signal().name
-        and (job.started <= written)
-    )
 
 
 def conclude(job: Job, slurm_job: "SlurmJob") -> None:

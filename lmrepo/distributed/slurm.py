@@ -22,11 +22,6 @@ class SlurmStates(SlurmInfoWatcher):
             return command
         return ["squeue", "--me", "--states=all", "--format=%i|%T|%N"]
 
-    def forget(self, job_id: str) -> None:
-        """Asks Slurm for `job_id`'s state again, though it looked final (submitit asks no more
-        about a job it saw end)."""
-        self._finished.discard(job_id)
-
     def read_info(self, string: bytes | str) -> dict[str, dict[str, str]]:
         if self.squeue:
             text = string.decode() if isinstance(string, bytes) else string
