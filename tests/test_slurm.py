@@ -126,7 +126,7 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_c
     """The warning before a time limit (SIGUSR2 to every task: what `--signal=USR2@120` makes slurmctld
     send; sent here with scancel when the test says, not when slurmctld's 30-s timer does) makes every
     rank save; submitit requeues the job (`scontrol requeue`; Slurm holds a requeued job two minutes,
-    which the test cuts short), and the same command continues from that checkpoint: every step's loss
+    which the test cuts to three seconds), and the same command continues from that checkpoint: every step's loss
     equals one uninterrupted run's, logged once, in the one W&B run of the job (one id), grouped by the sweep."""
     steps = ["engine=fsdp2", "zero=stage3", "schedule=constant", "trainer.max_steps=400"]
     proc, run_dir, env = start_sweep(slurm_cluster, tmp_path, [*steps, "logger=wandb", "hydra.launcher.timeout_min=5"])
@@ -144,7 +144,10 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_c
     while not settled(now := shown()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     if "JobState=PENDING" in now:
-        subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], env=env, check=True)
+        # Not at once: the requeue revoked the job's credential, and an attempt Slurm started in
+        # that same second was killed at launch ("Killing non-startable batch JobId=3: Job
+        # credential revoked"), which ended the sweep. Slurm's own hold is for that.
+        subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now+3"], env=env, check=True)
     output = proc.communicate(timeout=900)[0]
     logs = task_logs(run_dir)
     controller = (slurm_cluster.parent / "slurmctld.log").read_text(errors="replace")
