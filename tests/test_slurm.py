@@ -150,9 +150,11 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_c
         subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now+3"], env=env, check=True)
     output = proc.communicate(timeout=900)[0]
     logs = task_logs(run_dir)
-    controller = (slurm_cluster.parent / "slurmctld.log").read_text(errors="replace")
-    told = f"{output[-3000:]}\n--- the tasks' logs:\n{logs[-5000:]}\n--- slurmctld:\n{controller[-2000:]}"
-    assert proc.returncode == 0, told
+    controller = slurm_cluster.parent / "slurmctld.log"  # read only when the assertion fails
+    assert proc.returncode == 0, (
+        f"{output[-3000:]}\n--- the tasks' logs:\n{logs[-5000:]}\n"
+        f"--- slurmctld:\n{controller.read_text(errors='replace')[-2000:]}"
+    )
 
     saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert "Slurm restarted this job (1 time(s))" in logs and "lmrepo: resumed from" in logs, logs[-3000:]

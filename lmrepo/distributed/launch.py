@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -117,8 +118,6 @@ def slurm_master_port() -> int:
     job id and its restarts. submitit's own (a random pick in 20000-60000 seeded by the job id
     alone) mostly lies in that range, where any outgoing connection on the node may hold it
     when rank 0 binds it, and is the same port again after a requeue."""
-    import zlib
-
     job = os.environ.get("SLURM_JOB_ID", "0")
     attempt = f"{job}.{slurm_restarts()}".encode()
     return SLURM_MASTER_PORTS[zlib.crc32(attempt) % len(SLURM_MASTER_PORTS)]
