@@ -92,19 +92,35 @@ def destroy_subgroups() -> None:
     """Every process group but the world's, which the next case's device mesh and DeepSpeed make
     afresh. A gloo group keeps two worker threads and a TCP loop that wakes every 10 ms: by the
     matrix's last cases each rank held ~480 such threads, and perf put a third of a rank's CPU in
-    those loops' wake-ups. Groups a case's leftovers still reference (an FSDP2
-    pipeline's autograd graph) keep their threads until those go."""
+    those loops' wake-ups. Groups a case's leftovers still reference (a DeepSpeed engine until
+    `release`, ZeRO-3's even after it, the autograd graph of an FSDP2 pipeline or mixture of
+    experts) keep their threads until those go."""
     from torch.distributed import distributed_c10d
-    from torch.distributed.tensor import DTensor, debug
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
 
     # DTensor's sharding caches (Python's and the C++ fast path's) key on device meshes by value: a
     # result cached by an earlier case would hand this case's equal mesh back with that case's
     # groups, destroyed below, and keep them alive.
     debug._clear_sharding_prop_cache()
     DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    # The redistribution caches hold device meshes too (as DTensorSpecs, planners and topologies)
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
     for group in list(distributed_c10d._world.pg_map):
         if group is not distributed_c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
+
+
+def release(engine) -> None:
+    """DeepSpeed's own end of an engine (`destroy`: its optimizer's gradient hooks and ZeRO-3's module
+    hooks removed). Those hooks hold the engine from inside autograd, where Python's collector does
+    not look: without this every DeepSpeed case's engine, model and process groups outlived it (a
+    TCP loop per group that wakes every 10 ms; 150 idle groups cost a rank 14% of a core). A ZeRO-3
+    engine still outlives its case, held by its partitioned parameters' state (one group)."""
+    ds = getattr(engine, "ds", None)
+    if ds is not None:
+        ds.destroy()
 
 
 def compiled_by() -> str:
@@ -211,6 +227,7 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
     # inferred by a forward of its own), and what stays held between steps (nothing, where no graph
     # outlives its step)
     activations = gathered({"step": saved.last_step, "between": saved.live}) if saved else None
+    release(engine)
     del engine, data
     return {
         "losses": losses,
