@@ -62,7 +62,8 @@ def page() -> str:
         "each compiled by the backend that reaches where the two meet: aot_eager with a parallel layout "
         "(dynamo's capture and AOTAutograd's graphs, where the layout meets the compiler), "
         "aot_eager_decomp_partition with what a block computes (the graphs inductor would get, decomposed and "
-        "partitioned as inductor does, on ATen's kernels), inductor with bf16 (`tests/composition.py` says why).",
+        "partitioned as inductor does, on ATen's kernels; activation checkpointing by torch's checkpoint, which "
+        "the compiler traces, where DeepSpeed's turns it off), inductor with bf16 (`tests/composition.py` says why).",
         "- **upstream**: refused, because a library refuses it or computes it wrongly (which and where: below).",
         "- **not yet**: refused, because lmrepo has not built it.",
         "- **untested**: allowed but no test runs it.",

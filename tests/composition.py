@@ -26,7 +26,10 @@ technique claims:
   hooks, DTensors and collectives meet the compiler. Where it meets what a block computes (Muon, the tiled loss,
   document masking, activation checkpointing): aot_eager_decomp_partition, the graphs inductor
   would get (decomposed, and split into forward and backward by inductor's recomputing
-  partitioner, which activation checkpointing steers), run on ATen's kernels. With bf16: inductor
+  partitioner, which activation checkpointing steers), run on ATen's kernels; with activation
+  checkpointing by torch's checkpoint (checkpointing.impl=torch), which dynamo traces into the
+  model's graph: DeepSpeed's turns torch.compile off inside it, and the blocks would run eager. The
+  reference is the pair's own job uncompiled. With bf16: inductor
   itself, whose kernels compute bf16 their own way (in fp32 inside a fused kernel). Generating
   and building a graph's kernels costs several times what capturing the graphs does, and no
   kernel of these pairs depends on the pair: with inductor, five pairs were a third of the
@@ -192,6 +195,10 @@ def overrides(*axes: str) -> list[str]:
         words = [w.replace("expert_parallel.size=2", "expert_parallel.size=1") for w in words]
     if compile_backend(*axes) not in (None, "inductor"):  # inductor is trainer.compile_backend's default
         words.append(f"trainer.compile_backend={compile_backend(*axes)}")
+    if {"compile", "activation_checkpointing"} <= set(axes):
+        # DeepSpeed's checkpoint (the default impl) turns torch.compile off inside it: the blocks would
+        # run eager, and the pair would compile only the embeddings and the head. torch's is traced.
+        words.append("checkpointing.impl=torch")
     if moe:  # the Mixtral of the base's shape: model=... resets the preset's sizes
         words = [w for w in words if w != "model=mixtral-tiny"]
         return ["model=mixtral-tiny", *[w for w in BASE if w != "model=llama-tiny"], *words]
@@ -219,6 +226,9 @@ def dropped_axis(a: str, b: str) -> str | None:
 def reference(a: str, b: str) -> tuple[list[str], str]:
     """(the reference run's overrides, how the pair is compared with it: equal | step1 | bf16 | ep)."""
     dropped, under = dropped_axis(a, b), routed(a, b)
+    if dropped == "compile":  # the pair's own job uncompiled (with whatever compile made it choose)
+        compiled = ("trainer.compile=true", f"trainer.compile_backend={compile_backend(a, b)}")
+        return [w for w in pair_overrides(a, b) if w not in compiled], "equal"
     if dropped:
         return overrides(b if dropped == a else a, *under), "equal"
     for dropped, kept in ((a, b), (b, a)):

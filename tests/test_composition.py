@@ -156,6 +156,10 @@ def test_pair(a, b, results, corpus):
     for run, run_words, name in ((ours, words, "pair"), (theirs, ref_words, "reference")):
         assert "losses" in run, f"{name} {' '.join(run_words)}: {run}"
         assert run["compiled_by"] == compiled_by(run_words), (name, run_words, run["compiled_by"])
+    if {a, b} == {"compile", "activation_checkpointing"}:
+        # the checkpointed blocks traced into the model's one graph (DeepSpeed's checkpoint, which turns
+        # torch.compile off inside it, broke it into 5: the embeddings, the head, no block)
+        assert ours["graphs"] == 1, ours
     tolerance = BF16 if "bf16" in (a, b) or kind == "bf16" else FP32
     steps = 1 if kind == "step1" else len(ours["losses"])
     for step in range(steps):

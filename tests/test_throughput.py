@@ -112,6 +112,25 @@ def test_compile_by_default_names_the_reason_it_stays_off():
         assert not compiles and f"off for {reason};" in line
 
 
+def test_compile_with_deepspeeds_checkpoint_says_the_blocks_stay_uncompiled():
+    """DeepSpeed's checkpoint turns torch.compile off inside it: trainer.compile=true compiles the
+    rest of the model and the start says so, naming the implementation that compiles the blocks
+    (the composition matrix's compile x activation checkpointing pair runs it, in one graph)."""
+
+    def said(words):
+        return [n for n in plan(compose_config(["trainer.compile=true", *words]), 1, CPU).notes if "uncompiled" in n]
+
+    (line,) = said(["checkpointing=full"])
+    assert line.startswith(
+        "lmrepo: note: trainer.compile=true with checkpointing.impl=deepspeed leaves the checkpointed"
+    )
+    assert "checkpointing.impl=torch compiles them" in line
+    assert said(["checkpointing=every_n", "checkpointing.every_n_layers=2"])
+    for words in (["checkpointing=full", "checkpointing.impl=torch"], ["checkpointing=full", "engine=fsdp2"], []):
+        assert not said(words), words
+    assert not [n for n in plan(compose_config(["checkpointing=full"]), 1, CPU).notes if "uncompiled" in n]
+
+
 def test_llama_flops_count_grouped_query_attention_and_swiglu():
     """Llama 1B's blocks as built: q and o h x h, k and v h x (kv heads x head size), three
     h x n_inner SwiGLU matrices; GPT's 12*l*h^2 overstates them by 14%."""

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from lmrepo.config import TrainConfig, compile_by_default
 from lmrepo.config.messages import more_ranks
-from lmrepo.config.parallel import BLOCK_CLASSES, TPMode
+from lmrepo.config.parallel import BLOCK_CLASSES, CheckpointingImpl, EngineName, TPMode
 from lmrepo.config.reference import CONF_DIR
 from lmrepo.distributed.device import Device, choose_precision, detect_device
 from lmrepo.distributed.layout import ParallelLayout
@@ -74,6 +74,12 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
     if config.trainer.compile is None:
         config.trainer.compile, compile_line = compile_by_default(config, device.type)
         notes += [compile_line] if compile_line else []
+    elif config.trainer.compile and deepspeed_checkpointed_blocks(config):
+        notes.append(
+            "lmrepo: note: trainer.compile=true with checkpointing.impl=deepspeed leaves the checkpointed blocks "
+            "uncompiled: DeepSpeed's checkpoint turns torch.compile off inside it (the embeddings, the final norm "
+            "and the head compile); checkpointing.impl=torch compiles them, recompute included"
+        )
     if config.engine.replicate == "nodes":
         notes.append(
             f"lmrepo: engine.replicate=nodes: {layout.dp_replicate} replica(s), one per node, each sharding over "
@@ -105,6 +111,17 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
             "checkpointing is off (checkpointing=full or every_n turns it on)"
         )
     return Plan(config, device, ds_config, layout, user_changed, notes)
+
+
+def deepspeed_checkpointed_blocks(config: TrainConfig) -> bool:
+    """Whether DeepSpeed's engine (no pipeline) checkpoints the blocks with DeepSpeed's checkpoint,
+    which is `torch.compiler.disable`d (DeepSpeed 0.19.8): a compiled model runs them eager."""
+    return (
+        config.engine.name == EngineName.deepspeed
+        and config.pipeline.schedule == "none"
+        and config.checkpointing.enabled
+        and config.checkpointing.impl == CheckpointingImpl.deepspeed
+    )
 
 
 def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:

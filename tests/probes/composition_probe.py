@@ -136,6 +136,14 @@ def compiled_by() -> str:
     return "eager" if counters["stats"]["unique_graphs"] else "none"
 
 
+def graphs_captured() -> int:
+    """How many graphs dynamo captured for this configuration: each break in the model's forward
+    (a region torch.compile was told to skip, an op it cannot trace) starts another."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def parameters_held(engine) -> list[float] | None:
     """Each rank's parameter elements under engine=fsdp2 (its FSDP2 shards, of its tensor-parallel
     slices, of its pipeline stage's layers), gathered from every rank; None for DeepSpeed's engines."""
@@ -233,6 +241,7 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
         "losses": losses,
         "grad_norms": norms,
         "compiled_by": compiled_by(),
+        "graphs": graphs_captured(),
         "step_seconds": step_seconds,  # the first holds its compile
         "parameters_held": held,
         "activations_peak": activations,
