@@ -176,6 +176,18 @@ def load(cfg: DictConfig) -> TrainConfig:
     return config
 
 
+def deepspeed_checkpointed_blocks(config: TrainConfig) -> bool:
+    """Whether DeepSpeed's engine (no pipeline) checkpoints the blocks with DeepSpeed's checkpoint,
+    which is `torch.compiler.disable`d (DeepSpeed 0.19.8): a compiled model runs them eager. (The
+    torch pipelines recompute through torch's checkpoint; DeepSpeed's PipelineModule refuses compile.)"""
+    return (
+        config.engine.name == EngineName.deepspeed
+        and config.pipeline.schedule == "none"
+        and config.checkpointing.enabled
+        and config.checkpointing.impl == CheckpointingImpl.deepspeed
+    )
+
+
 def compile_by_default(config: TrainConfig, device_type: str) -> tuple[bool, str | None]:
     """trainer.compile=null: (whether to compile, the line that says so). On a GPU a step of a small
     model is mostly kernel launches, and compiling fuses them (benchmarks/bench_gpu.py measures
@@ -193,12 +205,7 @@ def compile_by_default(config: TrainConfig, device_type: str) -> tuple[bool, str
             config.engine.name == EngineName.deepspeed and config.zero.stage == 3,
             "DeepSpeed's zero=stage3 (its parameter hooks break the graph)",
         ),
-        (
-            config.engine.name == EngineName.deepspeed
-            and config.checkpointing.enabled
-            and config.checkpointing.impl == CheckpointingImpl.deepspeed,
-            "DeepSpeed's activation checkpointing (reentrant)",
-        ),
+        (deepspeed_checkpointed_blocks(config), "DeepSpeed's activation checkpointing (reentrant)"),
         (config.offload.target != OffloadTarget.none, f"offload={config.offload.target}"),
     ]
     reasons = [why for applies, why in layout if applies]

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from lmrepo.config import TrainConfig, compile_by_default
+from lmrepo.config import TrainConfig, compile_by_default, deepspeed_checkpointed_blocks
 from lmrepo.config.messages import more_ranks
-from lmrepo.config.parallel import BLOCK_CLASSES, CheckpointingImpl, EngineName, TPMode
+from lmrepo.config.parallel import BLOCK_CLASSES, TPMode
 from lmrepo.config.reference import CONF_DIR
 from lmrepo.distributed.device import Device, choose_precision, detect_device
 from lmrepo.distributed.layout import ParallelLayout
@@ -111,17 +111,6 @@ def plan(cfg: DictConfig, world_size: int, device: Device | None = None) -> Plan
             "checkpointing is off (checkpointing=full or every_n turns it on)"
         )
     return Plan(config, device, ds_config, layout, user_changed, notes)
-
-
-def deepspeed_checkpointed_blocks(config: TrainConfig) -> bool:
-    """Whether DeepSpeed's engine (no pipeline) checkpoints the blocks with DeepSpeed's checkpoint,
-    which is `torch.compiler.disable`d (DeepSpeed 0.19.8): a compiled model runs them eager."""
-    return (
-        config.engine.name == EngineName.deepspeed
-        and config.pipeline.schedule == "none"
-        and config.checkpointing.enabled
-        and config.checkpointing.impl == CheckpointingImpl.deepspeed
-    )
 
 
 def layout_check(config: TrainConfig, world_size: int) -> ParallelLayout:

@@ -133,7 +133,7 @@ def compiled_by() -> str:
         return "inductor"
     if counters["aot_autograd"]["total"]:
         return "aot_eager"
-    return "eager" if counters["stats"]["unique_graphs"] else "none"
+    return "eager" if graphs_captured() else "none"
 
 
 def graphs_captured() -> int:
