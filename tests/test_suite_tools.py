@@ -143,21 +143,27 @@ def test_ranks_started_directly_get_their_rendezvous_and_end_with_the_first_fail
 
 JOB_SCRIPT = """
 import atexit, os, sys, threading, time
-atexit.register(lambda: print("atexit ran", flush=True))
+sys.stdout.reconfigure(line_buffering=False, write_through=False)  # buffered also under PYTHONUNBUFFERED
+atexit.register(lambda: print("atexit ran"))  # left in the buffer: flushed at the end
 threading.Thread(target=lambda: (time.sleep(0.5), print("thread joined", flush=True))).start()
 print("argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)), __name__)
 print("cwd", os.getcwd(), "mine", os.environ.get("MINE"), "rank", os.environ.get("RANK"))
 print("pid", os.getpid(), "offline", os.environ.get("HF_HUB_OFFLINE"))
 if sys.argv[1] == "fail":
     raise ValueError("the job's own error")
+if sys.argv[1] == "interrupt":
+    raise KeyboardInterrupt
+if sys.argv[1] == "message":
+    sys.exit("the job's own last words")
 sys.exit(int(sys.argv[1]))
 """
 
 
-@pytest.mark.parametrize("ending", ["0", "5", "fail"])
+@pytest.mark.parametrize("ending", ["0", "5", "fail", "interrupt", "message"])
 def test_a_forked_process_runs_its_script_as_plain_python_does(tmp_path, ending, fork_server):
-    """One process (0 ranks) from the fork server and from plain `python`: the same output, exit
-    status and last traceback line; its threads joined and atexit run at the end."""
+    """One process (0 ranks) from the fork server and from plain `python`: the same output (what it
+    left in stdout's buffer too), exit status (an uncaught KeyboardInterrupt's SIGINT, SystemExit's
+    message and 1) and last line of stderr; its threads joined and atexit run at the end."""
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
     assert fork_server_listening(fork_server)

@@ -14,8 +14,9 @@ The launcher does what start_ranks.py does for the ranks it starts itself: the r
 variables, SIGTERM/SIGINT passed on to every rank, the others ended when one fails, the first
 failure's exit status; it also ends the ranks when its client goes (a test's timeout killed it).
 A rank runs the script at the top of this file's main module, after the server's frames have
-returned, so that the interpreter ends it exactly as it ends `python SCRIPT`: exit status,
-traceback, non-daemon threads joined, atexit, finalizers.
+returned, and ends as `python SCRIPT` ends (run_as_python_does): exit status, traceback,
+non-daemon threads joined, atexit, the last collection, but not the interpreter's freeing of every
+object still alive, which in a fork copies the pages of everything the server imported.
 
 What a fork cannot give a launch is an environment other than the server's where it matters at
 import: a launch whose environment differs from the server's in a variable that the imports here
@@ -51,6 +52,7 @@ READ_AT_IMPORT = (
     *("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "USE_TORCH", "USE_TF", "USE_JAX"),
     *("DS_", "DEEPSPEED"),
     *("HOME", "XDG_", "TMP", "TEMP", "PYTHON", "LD_", "LC_", "LANG", "TZ"),
+    *("CC", "CXX", "CFLAGS", "CPPFLAGS", "LDFLAGS"),  # DeepSpeed's probe of the ops it can build (below)
 )
 # ... of which these are read only when called (torch's compile cache, its CUDA check): no refusal.
 READ_WHEN_CALLED = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_EXTENSIONS_DIR"}
@@ -203,6 +205,10 @@ def serve(path: str) -> Job:
     if not torch.backends.cuda.is_built():
         for module in CPU_ONLY_PREIMPORTED:
             __import__(module)
+        # Which of its ops this machine can build: DeepSpeed probes them all the first time a process
+        # asks (every rank that starts its communication), compiling and linking a test program
+        # against libaio: ~0.09 CPU-s a process, asked here once.
+        _ = sys.modules["deepspeed.ops"].__compatible_ops__  # computed and kept by the module on first access
     # The imports' ~600k objects out of every later collection, as train.py does after its imports:
     # a collection in a fork would otherwise touch, and so copy, every page of them.
     gc.collect()
@@ -246,11 +252,49 @@ def serve(path: str) -> Job:
     sys.exit(0)
 
 
+def run_as_python_does(script: str) -> None:
+    """Runs `script` as `python SCRIPT` runs it, then ends the process as the interpreter ends one:
+    an uncaught exception's traceback, the exit status (SystemExit's, 1 after a traceback, SIGINT's
+    after an uncaught KeyboardInterrupt), non-daemon threads joined, atexit handlers run (which flush
+    logging, end W&B runs, remove temporary directories), unreachable objects collected, stdout and
+    stderr flushed (120 when that fails). All but the interpreter's very last step, freeing every
+    object still alive, which a program cannot observe: in a fork, it writes the reference count of
+    every object the server imported and so copies their pages, ~220 MB (0.33 CPU-s a process,
+    half of it the kernel's, measured: most of what an empty script's fork cost)."""
+    import atexit
+    import runpy
+    import threading
+
+    code, interrupted = 0, False
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException as err:  # noqa: BLE001 (what the interpreter does with an uncaught one)
+        interrupted = isinstance(err, KeyboardInterrupt)
+        sys.excepthook(type(err), err, err.__traceback__)
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = 120
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
 if __name__ == "__main__":
     die_with_parent()
     job = serve(sys.argv[1])
     job.enter()
     del job
-    import runpy
-
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_as_python_does(sys.argv[0])
