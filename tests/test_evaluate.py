@@ -233,6 +233,26 @@ def test_in_loop_config_is_checked():
     assert refusal(["eval.batch_size=0"]).startswith("eval.batch_size=0 must be >= 1")
 
 
+def test_the_environment_report_is_gathered_once_a_process(monkeypatch):
+    """The harness's report of the machine (torch's collect_env runs `pip list`, `lscpu` and the
+    compilers) in every result, gathered at the first evaluation only: not at each of a run's."""
+    import torch.utils.collect_env as collect_env
+
+    from lmrepo.evaluation import add_environment_once, environment_report
+
+    gathered = []
+    real = collect_env.get_pretty_env_info
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: gathered.append(1) or real())
+    environment_report.cache_clear()
+    first, second = {}, {}
+    add_environment_once(first)
+    add_environment_once(second)
+    assert len(gathered) == 1 and first == second
+    assert {"pretty_env_info", "transformers_version", "lm_eval_version"} <= set(first)
+    assert "PyTorch version" in first["pretty_env_info"]
+    environment_report.cache_clear()
+
+
 def test_in_loop_unknown_task_stops_before_training(tmp_path):
     proc = run_train([*TINY, "eval.tasks=[shakespeare_cloze,no_such_task]"], tmp_path / "run")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lmrepo: error:")]
@@ -264,7 +284,8 @@ def test_in_loop_zero3_two_ranks_equal_the_checkpoint_on_one_and_two_ranks(tmp_p
         )
     )
     in_loop = json.loads((run_dir / "eval" / "step_00000006.json").read_text())["results"]
-    assert (run_dir / "eval" / "step_00000003.json").is_file()
+    reports = [json.loads((run_dir / "eval" / f"step_0000000{s}.json").read_text()) for s in (3, 6)]
+    assert reports[0]["pretty_env_info"] == reports[1]["pretty_env_info"] != ""  # the harness's, kept once a run
     assert set(task_metrics(run_dir, 3)) == set(task_metrics(run_dir, 6)) and len(task_metrics(run_dir, 6)) == 8
     assert any("downstream_s" in line for line in read_metrics(run_dir))
     status = json.loads((run_dir / "status.json").read_text())

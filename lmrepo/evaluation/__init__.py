@@ -40,11 +40,31 @@ def preserved_rng():
             torch.cuda.set_rng_state_all(cuda)
 
 
+@functools.cache
+def environment_report() -> dict:
+    """What the harness adds to every result about this machine (torch's collect_env: `pip list`,
+    `lscpu`, the compilers' and drivers' versions; ~1 s of subprocesses on 2 cores), gathered once
+    a process: a training run that evaluates every N steps paid it at each evaluation, inside the
+    `downstream_s` it reports."""
+    from lm_eval.loggers.utils import add_env_info
+
+    report = {}
+    add_env_info(report)
+    return report
+
+
+def add_environment_once(results: dict) -> None:
+    results.update(environment_report())
+
+
 def run_tasks(lm, tasks, limit: int | None, bootstrap_iters: int) -> dict | None:
     """simple_evaluate on every rank; the harness's result dict on rank 0, None elsewhere."""
     import lm_eval
     import lm_eval.api.task
+    import lm_eval.evaluator
     from tqdm import tqdm
+
+    lm_eval.evaluator.add_env_info = add_environment_once
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its INFO lines narrate every step
     # and it draws a bar per task on every rank while it builds the requests (milliseconds for
