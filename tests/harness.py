@@ -114,16 +114,22 @@ def run_train(
     )
 
 
-def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0) -> subprocess.Popen:
-    """A TINY run left running (its own process group): for tests that signal or race it. Ranks
-    start under DeepSpeed's launcher: what it does with a signal or a dead rank is under test."""
+def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0, via: str = "deepspeed") -> subprocess.Popen:
+    """A TINY run left running, every process of it in one process group of its own: for tests that
+    signal or race it. Ranks start under DeepSpeed's launcher, where what it does with a signal or
+    a dead rank is under test; `via="direct"` starts them with tools/start_ranks.py itself (not from
+    the fork server, whose forks are outside the group), for a test that kills them all at once."""
+    env = None
+    if via == "direct":
+        env = {k: v for k, v in os.environ.items() if k != "LMREPO_TEST_FORK_SERVER"}
     return subprocess.Popen(
-        [*launcher(ranks, "deepspeed"), str(REPO / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+        [*launcher(ranks, via), str(REPO / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
         cwd=next(p for p in run_dir.parents if p.is_dir()),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        env=env,
     )
 
 
@@ -162,8 +168,9 @@ def logged_steps(run_dir: Path) -> int:
 
 
 def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, steps_after: bool = False) -> str:
-    """A 2-rank TINY run killed (SIGKILL to the launcher's process group, as an OOM killer or a lost
-    node ends a job) once `latest` exists and `logged` lines are in its metrics; with `steps_after`,
+    """A 2-rank TINY run killed (SIGKILL to its process group, every rank at once, as an OOM killer
+    or a lost node ends a job: no launcher's handling is under test, so the ranks start without
+    one) once `latest` exists and `logged` lines are in its metrics; with `steps_after`,
     also once it has logged a step past `latest` that is not a save step (so that no save can
     complete between the check and the kill and move `latest` past every logged step: `logged`
     lines alone were reached at a save step once, with its checkpoint's line). Returns the
@@ -180,7 +187,7 @@ def kill_9_after_a_save(overrides: list[str], run_dir: Path, logged: int, steps_
         last = max(logged_train_steps(run_dir), default=0)
         return last > int(latest.read_text().split("_")[1]) and last % every != 0
 
-    proc = popen_train(overrides, run_dir, ranks=2)
+    proc = popen_train(overrides, run_dir, ranks=2, via="direct")
     while True:
         wait_for(ready, proc)
         # Checked again with every process of the job stopped: a TINY step takes milliseconds, and
