@@ -111,12 +111,9 @@ def run_worker(args: argparse.Namespace) -> None:
     from lmrepo.distributed.launch import release_shm_buffer, world_size
     from lmrepo.utils import ops
 
-    # DeepSpeed's ops as train.py's ranks load them (lmrepo.distributed.launch.init_distributed): the
-    # machine's kept builds, a line before any compile, no CPU all-reduce in one process. The bare
-    # and HF arms start DeepSpeed themselves (deepspeed.initialize, the Trainer): without this each
-    # fresh environment compiled the all-reduce op again in the bench's first such arm (45 s here).
-    ops.announce_builds()
-    ops.skip_unused_ops(world_size())
+    # The bare and HF arms start DeepSpeed themselves (deepspeed.initialize, the Trainer): without
+    # this each fresh environment compiled the all-reduce op again in the bench's first such arm (45 s)
+    ops.load_ops_as_ranks_do(world_size())
     atexit.register(release_shm_buffer)  # DeepSpeed's CPU all-reduce buffer in /dev/shm
     spec = json.loads(Path(args.spec).read_text())
     workers = {

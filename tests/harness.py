@@ -114,14 +114,18 @@ def run_train(
     )
 
 
+def env_without_fork_server() -> dict:
+    """This environment without the worker's fork server (LMREPO_TEST_FORK_SERVER): a launch that
+    starts its own interpreters."""
+    return {k: v for k, v in os.environ.items() if k != "LMREPO_TEST_FORK_SERVER"}
+
+
 def popen_train(overrides: list[str], run_dir: Path, ranks: int = 0, via: str = "deepspeed") -> subprocess.Popen:
     """A TINY run left running, every process of it in one process group of its own: for tests that
     signal or race it. Ranks start under DeepSpeed's launcher, where what it does with a signal or
     a dead rank is under test; `via="direct"` starts them with tools/start_ranks.py itself (not from
     the fork server, whose forks are outside the group), for a test that kills them all at once."""
-    env = None
-    if via == "direct":
-        env = {k: v for k, v in os.environ.items() if k != "LMREPO_TEST_FORK_SERVER"}
+    env = env_without_fork_server() if via == "direct" else None
     return subprocess.Popen(
         [*launcher(ranks, via), str(REPO / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
         cwd=next(p for p in run_dir.parents if p.is_dir()),

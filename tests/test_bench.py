@@ -51,20 +51,19 @@ def test_bench_quick_prints_every_section(tmp_path):
 
     # Its workers start DeepSpeed themselves (a bare deepspeed.initialize, HF's Trainer): where the
     # machine keeps every op, none is built, here in a build directory of its own
-    builds = tmp_path / "builds"
+    builds, out = tmp_path / "builds", tmp_path / "out"
     proc = run_benchmark(
-        "bench.py", "--quick", "--out", str(tmp_path / "out"), env={**os.environ, "TORCH_EXTENSIONS_DIR": str(builds)}
+        "bench.py", "--quick", "--out", str(out), env={**os.environ, "TORCH_EXTENSIONS_DIR": str(builds)}
     )
     assert_ok(proc)
     if all(ops.cached_build(name) for name in ("deepspeed_shm_comm", "fused_adam")):
         assert not list(builds.glob("*/*.so")), sorted(builds.glob("*/*.so"))
-    tmp_path = tmp_path / "out"
     for heading in HEADINGS:
         assert heading in proc.stdout
     assert "could not be measured" not in proc.stdout and "failed" not in proc.stdout
     assert "Noise floor of these paired ratios" in proc.stdout
-    assert (tmp_path / "results.md").read_text() in proc.stdout
-    results = json.loads((tmp_path / "results.json").read_text())
+    assert (out / "results.md").read_text() in proc.stdout
+    results = json.loads((out / "results.json").read_text())
     assert all(value > 0 for value in results["peak"].values())
 
     # What the engines held, counted from their tensors on each rank, against the estimator: the

@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import BERT, PYTHON, REPO, TINY, assert_ok, env_without_wandb_key, read_metrics, run_train, train_losses
+from harness import (
+    BERT,
+    PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    env_without_fork_server,
+    env_without_wandb_key,
+    read_metrics,
+    run_train,
+    train_losses,
+)
 from lmrepo.distributed.device import detect_device
 
 CONTRACT_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "mem_gb"}
@@ -263,8 +274,7 @@ def test_first_smoke_test_trains_with_the_defaults(tmp_path):
     and the progress bar, not DeepSpeed's accelerator notice or compiler commands."""
     run_dir = tmp_path / "run"
     # its own interpreter: the fork server has printed what DeepSpeed prints at import into its log
-    env = {k: v for k, v in os.environ.items() if k != "LMREPO_TEST_FORK_SERVER"}
-    proc = run_train(["trainer.max_steps=10", "logger=jsonl"], run_dir, env=env)
+    proc = run_train(["trainer.max_steps=10", "logger=jsonl"], run_dir, env=env_without_fork_server())
     assert_ok(proc)
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 10]
     out = proc.stdout + proc.stderr

@@ -305,8 +305,7 @@ def init_distributed(timeout_s: float = 0) -> None:
 
     from lmrepo.utils.quiet import quiet_prints
 
-    ops.announce_builds()
-    ops.skip_unused_ops(world_size())
+    ops.load_ops_as_ranks_do(world_size())
     # DeepSpeed's CPU all-reduce (its shm comm op) reads LOCAL_SIZE, which only DeepSpeed's own
     # launcher sets: under torchrun or Slurm it stayed off, and DeepSpeed-Inference's all-reduce
     # then ran on its uninitialised buffer (SIGSEGV on every rank; DeepSpeed 0.19.8).

@@ -232,6 +232,14 @@ def skip_unused_ops(world_size: int) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def load_ops_as_ranks_do(world_size: int) -> None:
+    """What a process that starts DeepSpeed does before its first op (train.py's ranks, the
+    bench's workers): announce_builds (the machine's kept builds, a line before any compile) and
+    skip_unused_ops (no CPU all-reduce in a single process); after `pin_builds`."""
+    announce_builds()
+    skip_unused_ops(world_size)
+
+
 def builders(name: str) -> list:
     """DeepSpeed's builders of our op `name` (BUILDERS), for this machine's accelerator."""
     import deepspeed.ops.op_builder as op_builder
