@@ -43,7 +43,6 @@ and results.json. Exit 0 when every measurement ran, 1 when one failed (its reas
 """
 
 import argparse
-import atexit
 import json
 import os
 import random
@@ -108,13 +107,12 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    from lmrepo.distributed.launch import release_shm_buffer, world_size
+    from lmrepo.distributed.launch import world_size
     from lmrepo.utils import ops
 
-    # The bare and HF arms start DeepSpeed themselves (deepspeed.initialize, the Trainer): without
-    # this each fresh environment compiled the all-reduce op again in the bench's first such arm (45 s)
+    # The bare and HF arms start DeepSpeed themselves (deepspeed.initialize, the Trainer): as train.py's
+    # ranks, they load the machine's kept ops and leave DeepSpeed's CPU all-reduce kernel unused
     ops.load_ops_as_ranks_do(world_size())
-    atexit.register(release_shm_buffer)  # DeepSpeed's CPU all-reduce buffer in /dev/shm
     spec = json.loads(Path(args.spec).read_text())
     workers = {
         "bare": arms.bare_loop,

@@ -244,7 +244,7 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
     from deepspeed.utils import logger as ds_logger
 
     from lmrepo.data.loader import LMData
-    from lmrepo.distributed.launch import init_distributed, release_shm_buffer
+    from lmrepo.distributed.launch import init_distributed
     from lmrepo.engines import build_engine
     from lmrepo.engines.base import to_device
     from lmrepo.plan.job import plan
@@ -278,7 +278,6 @@ def data_wait(token_dir: Path, tokenizer, steps: int, warmup: int, overrides: li
         if step >= warmup:
             waited += fetched - start
             total += end - start
-    release_shm_buffer()
     dist.destroy_process_group()
     return {
         "steps": steps,

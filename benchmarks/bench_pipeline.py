@@ -256,7 +256,7 @@ def run_worker(args, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmrepo.distributed.launch import init_distributed, release_shm_buffer
+    from lmrepo.distributed.launch import init_distributed
 
     torch.set_num_threads(1)
     init_distributed()
@@ -264,15 +264,12 @@ def run_worker(args, overrides: list[str]) -> None:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     model = [*(QUICK_MODEL if args.quick else MODEL), *overrides]
     rows, load = [], os.getloadavg()[0]
-    try:
-        for schedule in SCHEDULES:
-            for m in QUICK_MICRO_BATCHES if args.quick else MICRO_BATCHES:
-                rows.append(measure(schedule, m, model, steps, warmup))
-                if dist.get_rank() == 0:
-                    r = rows[-1]
-                    print(f"bench: {schedule} m={m}: step {r['step'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
-    finally:
-        release_shm_buffer()
+    for schedule in SCHEDULES:
+        for m in QUICK_MICRO_BATCHES if args.quick else MICRO_BATCHES:
+            rows.append(measure(schedule, m, model, steps, warmup))
+            if dist.get_rank() == 0:
+                r = rows[-1]
+                print(f"bench: {schedule} m={m}: step {r['step'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         text = report(rows, model, (load, os.getloadavg()[0]))
         Path(args.rows).write_text(json.dumps({"text": text, "rows": rows, "model": model}))

@@ -184,7 +184,7 @@ def run_worker(args, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmrepo.distributed.launch import init_distributed, release_shm_buffer
+    from lmrepo.distributed.launch import init_distributed
 
     torch.set_num_threads(1)
     init_distributed()
@@ -192,13 +192,10 @@ def run_worker(args, overrides: list[str]) -> None:
     m = args.micro_batches or (4 if args.quick else 8)
     model = [*(QUICK_MODEL if args.quick else MODEL), *overrides]
     rows, load = [], os.getloadavg()[0]
-    try:
-        for schedule in SCHEDULES:
-            rows.append(measure(schedule, m, model, steps))
-            if dist.get_rank() == 0:
-                print(f"bench: {schedule}: bubble {rows[-1]['measured']:.2f}", file=sys.stderr, flush=True)
-    finally:
-        release_shm_buffer()
+    for schedule in SCHEDULES:
+        rows.append(measure(schedule, m, model, steps))
+        if dist.get_rank() == 0:
+            print(f"bench: {schedule}: bubble {rows[-1]['measured']:.2f}", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         text = report(rows, model, (load, os.getloadavg()[0]))
         Path(args.rows).write_text(json.dumps({"text": text, "rows": rows, "model": model}))

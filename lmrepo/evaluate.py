@@ -214,5 +214,4 @@ def main(argv: list[str]) -> None:
     if launch.world_size() > 1:
         import torch.distributed as dist
 
-        launch.release_shm_buffer()
         dist.destroy_process_group()

@@ -234,9 +234,9 @@ def run(options: Options) -> dict:
         kernels = inference_plan(model, world, device_type)
         import deepspeed
 
-        from lmrepo.distributed.launch import init_distributed
-
-        init_distributed()
+        if device_type == "cpu":  # DeepSpeed-Inference's all-reduce: the one user of its CPU kernel
+            launch.prepare_shm()
+        launch.init_distributed(all_reduce_kernel=True)
         model = deepspeed.init_inference(
             model, tensor_parallel={"tp_size": world}, dtype=dtype, replace_with_kernel_inject=kernels
         )
@@ -264,7 +264,5 @@ def main(argv: list[str]) -> None:
     if result["world"] > 1:
         import torch.distributed as dist
 
-        from lmrepo.distributed.launch import release_shm_buffer
-
-        release_shm_buffer()
+        launch.release_shm_buffer()
         dist.destroy_process_group()

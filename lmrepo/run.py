@@ -1,6 +1,5 @@
 """One training job: validate -> prepare data -> process group -> engine -> fit -> close."""
 
-import atexit
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,8 +263,6 @@ def start(job: Plan, run_dir: Path, rank0: bool) -> Started:
         tokenizer, data_sources, resume = prepare_job(job, run_dir)
         tasks = downstream_tasks(job.config.eval.tasks)
         launch.refuse_a_taken_master_port()
-        if job.device.type == "cpu":
-            launch.prepare_shm()
         run_lock = own(run_dir) if rank0 else None  # held until train() returns (the OS frees it on any death)
     except ConfigError as err:
         refuse(str(err), run_dir)
@@ -279,7 +276,6 @@ def join(job: Plan, started: Started, rank0: bool) -> dict:
     if job.device.type == "cpu" and config.run.cpu_keep_freed_memory:
         cpu_malloc.keep_freed_memory()
     launch.init_distributed(config.run.hang_timeout_s)
-    atexit.register(launch.release_shm_buffer)  # also after a failure; only kill -9 escapes it
     started.run_dir, started.resume = agree_with_rank0(started.run_dir, started.resume)
     if started.resume and started.resume.universal:
         ds_config["checkpoint"] = {"load_universal": True}
@@ -400,7 +396,6 @@ def train(cfg: DictConfig, job: Plan, checkpoint_requests: StopRequest) -> dict:
 
     def hung(message: str) -> None:  # the watchdog's last word, from its thread, before the process exits
         write_status(run_dir, "failed", started_at, error=message, step=watchdog.step)
-        launch.release_shm_buffer()
 
     watchdog = Watchdog(run_dir, dist.get_rank(), dist.get_world_size(), job.config.run.hang_timeout_s, hung)
     # What a comparison says about the run besides its config: the ranks and the machine.

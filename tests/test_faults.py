@@ -25,6 +25,7 @@ from harness import (
     REPO,
     TINY,
     assert_ok,
+    launcher,
     logged_steps,
     popen_train,
     read_metrics,
@@ -278,6 +279,25 @@ def test_the_preemption_signal_saves_on_every_rank_then_resumes(tmp_path):
     )
     assert_ok(resumed)
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m][-1] == step + 1
+
+
+@pytest.mark.parametrize("mode", ["train", "generate"])
+def test_only_generation_maps_deepspeeds_cpu_all_reduce_buffer(mode):
+    """DeepSpeed's CPU all-reduce kernel (66 MiB of /dev/shm per rank, each rank spinning until its
+    peers' exist) serves DeepSpeed-Inference's all-reduce alone: training's ranks start without it
+    (their collectives go through torch.distributed, and an inference all-reduce there still sums),
+    generation's ranks with it, each releasing its buffer at the end."""
+    proc = subprocess.run(
+        [*launcher(2), str(REPO / "tests" / "probes" / "all_reduce_kernel_probe.py"), mode],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert_ok(proc)
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in ranks) == [0, 1], proc.stdout[-2000:]
+    generating = mode == "generate"
+    for rank in ranks:
+        assert rank["kernel"] is generating and rank["buffer"] is generating, rank
+        assert rank["sum"] == [3.0] * 4 and rank["buffer_after"] is False, rank
 
 
 def test_start_up_removes_only_the_shm_buffers_left_by_dead_runs(monkeypatch):

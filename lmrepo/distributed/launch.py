@@ -286,11 +286,13 @@ def refuse_a_taken_master_port() -> None:
             ) from None
 
 
-def init_distributed(timeout_s: float = 0) -> None:
+def init_distributed(timeout_s: float = 0, all_reduce_kernel: bool = False) -> None:
     """The process group: gloo on CPU (ccl when oneCCL is installed), NCCL on CUDA, as the
     accelerator says. `timeout_s` bounds every collective, also in the groups DeepSpeed creates
     later without a timeout of their own (they take torch's default, set here); 0 keeps
-    DeepSpeed's 10 minutes for the world group and torch's 30 for the others."""
+    DeepSpeed's 10 minutes for the world group and torch's 30 for the others.
+    `all_reduce_kernel`: also DeepSpeed's CPU all-reduce kernel and its 66 MiB per rank in
+    /dev/shm, which only DeepSpeed-Inference uses (lmrepo.generate; prepare_shm first)."""
     from datetime import timedelta
 
     from lmrepo.utils import cpuinfo_cache, ops
@@ -305,7 +307,7 @@ def init_distributed(timeout_s: float = 0) -> None:
 
     from lmrepo.utils.quiet import quiet_prints
 
-    ops.load_ops_as_ranks_do(world_size())
+    ops.load_ops_as_ranks_do(world_size(), all_reduce_kernel)
     # DeepSpeed's CPU all-reduce (its shm comm op) reads LOCAL_SIZE, which only DeepSpeed's own
     # launcher sets: under torchrun or Slurm it stayed off, and DeepSpeed-Inference's all-reduce
     # then ran on its uninitialised buffer (SIGSEGV on every rank; DeepSpeed 0.19.8).

@@ -221,23 +221,27 @@ def announce_builds() -> None:
     OpBuilder.jit_load = announced_jit_load
 
 
-def skip_unused_ops(world_size: int) -> None:
-    """DeepSpeed builds its CPU all-reduce op whenever it starts its communication backend, also
-    in a single process, which never all-reduces with anyone: there, it is marked unavailable
-    (DeepSpeed then all-reduces with torch, a no-op for one rank)."""
-    if world_size > 1:
+def skip_unused_ops(world_size: int, all_reduce_kernel: bool = False) -> None:
+    """DeepSpeed loads its CPU all-reduce op (shm comm) whenever it starts its communication
+    backend, and each rank then writes and maps a 66 MiB buffer in /dev/shm and spins until every
+    peer's exists. Only DeepSpeed-Inference's all-reduce uses it (`all_reduce_kernel`: generation on
+    CPU ranks, of two or more); training's collectives, AutoTP's included, go through
+    torch.distributed. Elsewhere it is marked unavailable, as DeepSpeed marks an op this machine
+    cannot build (an inference all-reduce would then run torch's)."""
+    if all_reduce_kernel and world_size > 1:
         return
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def load_ops_as_ranks_do(world_size: int) -> None:
+def load_ops_as_ranks_do(world_size: int, all_reduce_kernel: bool = False) -> None:
     """What a process that starts DeepSpeed does before its first op (train.py's ranks, the
-    bench's workers): announce_builds (the machine's kept builds, a line before any compile) and
-    skip_unused_ops (no CPU all-reduce in a single process); after `pin_builds`."""
+    bench's workers, generation's ranks): announce_builds (the machine's kept builds, a line before
+    any compile) and skip_unused_ops (DeepSpeed's CPU all-reduce kernel only where
+    `all_reduce_kernel` asks for it); after `pin_builds`."""
     announce_builds()
-    skip_unused_ops(world_size)
+    skip_unused_ops(world_size, all_reduce_kernel)
 
 
 def builders(name: str) -> list:
