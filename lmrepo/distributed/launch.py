@@ -422,14 +422,19 @@ def release_shm_buffer() -> None:
     stays valid until the process exits. Only the file this process maps: the name alone is not
     its own once its port is free again, and a job that took the port next would wait forever for
     the buffer a peer made under it."""
-    path = Path(
-        "/dev/shm",
-        f"{SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-        f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK')}",
-    )
+    path = shm_buffer()
     with contextlib.suppress(FileNotFoundError):
         if path.stat().st_ino in mapped_inodes(path):
             path.unlink()
+
+
+def shm_buffer() -> Path:
+    """This rank's buffer, named as DeepSpeed's CPU all-reduce names it: after the user, the master
+    address and port, and the rank."""
+    env = os.environ
+    return Path(
+        "/dev/shm", f"{SHM_PREFIX}{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_{env.get('RANK')}"
+    )
 
 
 def mapped_inodes(path: Path) -> set[int]:

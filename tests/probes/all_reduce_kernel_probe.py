@@ -7,21 +7,12 @@ all-reduce's sum, and whether the buffer was there after the release.
 Usage: all_reduce_kernel_probe.py train|generate"""
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from lmrepo.distributed import launch
-
-
-def buffer() -> Path:
-    """This rank's buffer, named as DeepSpeed's kernel names it (launch.release_shm_buffer)."""
-    env = os.environ
-    name = f"{launch.SHM_PREFIX}{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_{env['RANK']}"
-    return Path("/dev/shm", name)
 
 
 def main(mode: str) -> None:
@@ -32,12 +23,12 @@ def main(mode: str) -> None:
     import deepspeed.comm.comm as ds_comm_state
 
     kernel = ds_comm_state.cdb.shm_comm_op is not None
-    mapped = buffer().exists()
+    mapped = launch.shm_buffer().exists()
     total = torch.full((4,), float(dist.get_rank() + 1))
     ds_comm.inference_all_reduce(total)  # in place, by the kernel or by torch.distributed
     if mode == "generate":
         launch.release_shm_buffer()
-    line = {"kernel": kernel, "buffer": mapped, "sum": total.tolist(), "buffer_after": buffer().exists()}
+    line = {"kernel": kernel, "buffer": mapped, "sum": total.tolist(), "buffer_after": launch.shm_buffer().exists()}
     print(json.dumps({"rank": dist.get_rank(), **line}), flush=True)
     dist.destroy_process_group()
 
