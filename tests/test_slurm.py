@@ -12,12 +12,39 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness import PYTHON, REPO, TINY, assert_ok, logged_steps, read_metrics, run_train, train_losses, wait_for
+from harness import (
+    PYTHON,
+    REPO,
+    TINY,
+    assert_ok,
+    cancel_slurm_jobs,
+    logged_steps,
+    read_metrics,
+    run_train,
+    train_losses,
+    wait_for,
+)
 from numerics import STEPS_FP32, assert_close
 
 pytestmark = pytest.mark.distributed
 
 STEPS = ["trainer.max_steps=4", "zero=stage3", "schedule=constant"]
+SWEEPS: list[subprocess.Popen] = []  # every sweep start_sweep started, ended after its test
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_the_cluster(request):
+    """After each test of the cluster: its sweep ended and every job cancelled. A test that fails
+    while its job runs (or a sweep that ends before its job) leaves nothing to the next test, which
+    expects its own job alone on the cluster, nor to the rest of the suite."""
+    yield
+    while SWEEPS:
+        sweep = SWEEPS.pop()
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.communicate()
+    if "slurm_cluster" in request.fixturenames:
+        cancel_slurm_jobs(request.getfixturevalue("slurm_cluster"))
 
 
 def test_a_sweep_on_two_nodes_trains_as_one_machine_does(slurm_cluster, tmp_path):
@@ -107,6 +134,7 @@ def start_sweep(conf: Path, tmp_path: Path, overrides: list[str]) -> tuple[subpr
         text=True,
         start_new_session=True,
     )
+    SWEEPS.append(proc)
     return proc, sweep / "0", env
 
 
@@ -168,6 +196,48 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_continues_exactly(slurm_c
     sweep = run_dir.parent
     assert all(f"{sweep.parent.name}_{sweep.name}".encode() in path.read_bytes() for path in attempts)  # the group
     assert "completed" in output and "best: #0" in output  # the sweep's summary
+
+
+# A Hydra app whose first attempt has Slurm requeue its job and then ends as a success (what an
+# attempt at its time limit can do: its requeue's SIGTERM, here ignored, can end the `scontrol` that
+# asked for it before submitit's handler exits), writing submitit's result file; the next attempt
+# (SLURM_RESTART_COUNT=1) leaves a file and ends.
+REQUEUED_APP = """import os, signal, subprocess, hydra
+
+@hydra.main(version_base="1.3")
+def main(cfg):
+    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if attempt == "0":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and in the scontrol calls: they must not die of it
+        job = os.environ["SLURM_JOB_ID"]
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        # Slurm holds a requeued job for two minutes: three seconds here (not at once: see above)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now+3"], check=True)
+    open(f"attempt-{attempt}", "w").close()
+
+main()
+"""
+
+
+def test_a_job_requeued_after_its_attempt_wrote_a_result_is_waited_for(slurm_cluster, tmp_path):
+    """An attempt's result file is not its job's end while Slurm has the job queued again: the sweep
+    waits for the next attempt and reports how that one ended, not the first one's result (the
+    sweep had ended there, leaving the job to run unwatched)."""
+    (tmp_path / "app.py").write_text(REQUEUED_APP)
+    command = [
+        *(PYTHON, "app.py", "-m", "hydra/launcher=submitit_slurm"),
+        "hydra.launcher._target_=hydra_plugins.lmrepo_launcher.lmrepo_slurm.LmrepoSlurmLauncher",
+        *("hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5"),
+        *("+x=1", "hydra.sweep.dir=sweep"),
+    ]
+    env = {**os.environ, "SLURM_CONF": str(slurm_cluster)}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert (tmp_path / "attempt-0").exists() and (tmp_path / "attempt-1").exists(), output[-3000:]
+    assert "REQUEUED" in output or "PENDING" in output, output[-3000:]  # the sweep saw the job queued again
+    queued = subprocess.run(["squeue", "--noheader"], env=env, capture_output=True, text=True).stdout
+    assert not queued.strip(), queued
 
 
 def test_scancel_loses_no_checkpoint_the_job_wrote(slurm_cluster, tmp_path):

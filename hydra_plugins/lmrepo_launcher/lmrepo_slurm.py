@@ -128,11 +128,30 @@ class LmrepoSlurmLauncher(SlurmLauncher):
                     states[slurm_job.job_id] = state
                     where = slurm_job.watcher.get_info(slurm_job.job_id, mode="cache").get("NodeList", "")
                     log.info(f"lmrepo: job #{job.num} (Slurm {slurm_job.job_id}): {state} {where}".rstrip())
-                if slurm_job.done():
+                if over(slurm_job):
                     running.remove((job, slurm_job))
                     conclude(job, slurm_job)
             if running:
                 time.sleep(POLL_S)
+
+
+# Slurm's states of a job that will run (again): queued, requeued, held, running or ending its tasks
+WILL_RUN = {
+    "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RUNNING", "RESIZING",
+    "SUSPENDED", "SIGNALING", "COMPLETING", "STAGE_OUT",
+}  # fmt: skip
+
+
+def over(slurm_job: "SlurmJob") -> bool:
+    """submitit's end of a job (a result file, or a final state) that Slurm agrees with. A result
+    file is an attempt's end, not always the job's: an attempt can end as a success while Slurm
+    requeues its job (submitit's requeue at the time limit ends the step with SIGTERM, and the
+    requeue's own `scontrol` may die of it), and the next attempt runs from its checkpoint. The
+    sweep had reported such a job stopped and exited, leaving it to train unwatched. Asked of Slurm
+    only once the file is there; a state Slurm no longer knows (UNKNOWN) leaves the file's word."""
+    if not slurm_job.done():
+        return False
+    return slurm_job.watcher.get_state(slurm_job.job_id, mode="force").upper() not in WILL_RUN
 
 
 def ending(job: Job) -> bool:
