@@ -355,25 +355,23 @@ def start_slurm_cluster(root: Path) -> Path:
     raise AssertionError(f"the test cluster's nodes did not come up: {listed.stdout} {listed.stderr}")
 
 
-def cancel_slurm_jobs(conf: Path, timeout: float = 120) -> list[str]:
+def queued_slurm_jobs(env: dict) -> list[str]:
+    """The ids of the jobs queued or running on the cluster `env` reaches (its SLURM_CONF)."""
+    listed = subprocess.run(["squeue", "--noheader", "--format=%i"], env=env, capture_output=True, text=True)
+    return listed.stdout.split()
+
+
+def cancel_slurm_jobs(conf: Path, timeout: float = 120) -> None:
     """Every job on the test cluster cancelled (scancel sends SIGTERM, then SIGKILL after KillWait),
     waited for until squeue lists none: a test that fails while its job runs leaves nothing to the
     next test (which would find two jobs where it expects its one) or to the rest of the suite (a
-    2-rank job of 100,000 steps left running took a core from every later test). Returns the ids
-    that were still queued or running."""
+    2-rank job of 100,000 steps left running took a core from every later test)."""
     env = {**os.environ, "SLURM_CONF": str(conf)}
-
-    def listed() -> list[str]:
-        found = subprocess.run(["squeue", "--noheader", "--format=%i"], env=env, capture_output=True, text=True)
-        return found.stdout.split()
-
-    left = listed()
-    if left:
+    if left := queued_slurm_jobs(env):
         subprocess.run(["scancel", *left], env=env, capture_output=True, timeout=60)
         deadline = time.monotonic() + timeout
-        while listed() and time.monotonic() < deadline:
+        while queued_slurm_jobs(env) and time.monotonic() < deadline:
             time.sleep(0.5)
-    return left
 
 
 def stop_slurm_cluster(root: Path) -> None:

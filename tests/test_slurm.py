@@ -19,6 +19,7 @@ from harness import (
     assert_ok,
     cancel_slurm_jobs,
     logged_steps,
+    queued_slurm_jobs,
     read_metrics,
     run_train,
     train_losses,
@@ -140,8 +141,7 @@ def start_sweep(conf: Path, tmp_path: Path, overrides: list[str]) -> tuple[subpr
 
 def slurm_job(env: dict) -> str:
     """The id of the one job on the test cluster."""
-    listed = subprocess.run(["squeue", "--noheader", "--format=%i"], env=env, capture_output=True, text=True)
-    (job,) = listed.stdout.split()
+    (job,) = queued_slurm_jobs(env)
     return job
 
 
@@ -236,8 +236,7 @@ def test_a_job_requeued_after_its_attempt_wrote_a_result_is_waited_for(slurm_clu
     assert proc.returncode == 0, output[-3000:]
     assert (tmp_path / "attempt-0").exists() and (tmp_path / "attempt-1").exists(), output[-3000:]
     assert "REQUEUED" in output or "PENDING" in output, output[-3000:]  # the sweep saw the job queued again
-    queued = subprocess.run(["squeue", "--noheader"], env=env, capture_output=True, text=True).stdout
-    assert not queued.strip(), queued
+    assert not (queued := queued_slurm_jobs(env)), queued
 
 
 def test_scancel_loses_no_checkpoint_the_job_wrote(slurm_cluster, tmp_path):
