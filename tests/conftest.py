@@ -66,24 +66,29 @@ share_the_cores_between_workers()
 # measured with --cpu-report (tests/README.md). `make test` hands whole files to its two workers in
 # collection order (--dist loadfile --no-loadscope-reorder): long files first, the short in-process
 # ones last, so both workers finish together instead of one running a long file alone at the end.
-# Only the order changes; a file missing here runs after these.
+# The files that mostly wait (on Slurm's scheduler, a signal's grace period, a rank killed on
+# purpose: a fifth to a half of a core while they run) start beside the two launches that keep
+# more than a core busy (the composition matrix on 2 ranks, FSDP2's 4- and 8-rank layouts), so
+# that the cores they leave are used: run beside each other, as they had been, a waiting file and
+# a one-process file left a core idle for minutes (tests/README.md). Only the order changes; a
+# file missing here runs after these.
 HEAVIEST_FIRST = (
-    "test_composition.py",  # one launch of every pair: the suite's largest item (~17 min of a worker on an EPYC)
+    "test_composition.py",  # one launch of every pair: the suite's largest item (~3 min of a worker)
+    "test_slurm.py",  # waits on Slurm's scheduler: beside the composition launch
+    "test_fsdp2.py",  # 4- and 8-rank launches: the next worker free takes them
+    "test_checkpoint.py",  # kill -9 and SIGTERM runs, which wait: beside FSDP2's launches
+    "test_faults.py",
+    "test_bench.py",
+    "test_sweep.py",
     "test_distributed.py",
     "test_ds_configs.py",
-    "test_checkpoint.py",
     "test_moe.py",
-    "test_sweep.py",
-    "test_slurm.py",
     "test_evaluate.py",
-    "test_faults.py",
-    "test_fsdp2.py",
     "test_optimizers.py",
     "test_ds_pipeline.py",
     "test_documents.py",
     "test_readme.py",
     "test_train.py",
-    "test_bench.py",
     "test_throughput.py",  # its ruler's arms, ~30 s in one test
     "test_torch_pipeline.py",
     "test_zero_bubble.py",
