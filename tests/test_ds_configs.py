@@ -13,7 +13,7 @@ from harness import FORKED_PYTHON, REPO, TINY, read_metrics, run_train
 from lmrepo.distributed.device import detect_device
 
 CONFIGS = REPO / "tests" / "data" / "ds_configs"
-FP16 = detect_device("cpu").fp16  # a CPU with AMX-FP16 computes fp16; most CPUs do not
+FP16 = detect_device("cpu").fp16  # a CPU with AVX512-FP16 computes fp16; most CPUs do not
 
 # file -> None (trains on one CPU process) or what the one error line must say
 EXPECTED = {

@@ -131,7 +131,7 @@ def test_refusals(gpt2_run, tmp_path, capsys):
         (f"run={tmp_path / 'missing'}", "prompt=x"): "run=",
         (f"run={tmp_path}", "prompt=x"): f"run={tmp_path} is neither a Hugging Face model directory",
     }
-    if not detect_device("cpu").fp16:  # a CPU with AMX-FP16 computes fp16
+    if not detect_device("cpu").fp16:  # a CPU with AVX512-FP16 computes fp16
         cases[(f"run={gpt2_run}", "prompt=x", "dtype=fp16")] = "dtype=fp16 is not supported on this cpu device"
     capsys.readouterr()
     for argv, message in cases.items():

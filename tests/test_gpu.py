@@ -1,6 +1,6 @@
 """The GPU-only paths, run where a GPU is (`pytest -m gpu`); skipped with the reason elsewhere.
 fp16 with dynamic loss scaling also runs on a CPU whose DeepSpeed accelerator computes fp16
-(AMX-FP16): that test asks the device, not the marker."""
+(AVX512-FP16, as a Xeon from Sapphire Rapids on has): that test asks the device, not the marker."""
 
 import json
 import subprocess
@@ -20,7 +20,7 @@ needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (NCCL, CUDA me
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not detect_device("auto").fp16, reason="fp16 needs a GPU or a CPU with AMX-FP16")
+@pytest.mark.skipif(not detect_device("auto").fp16, reason="fp16 needs a GPU or a CPU with AVX512-FP16")
 def test_fp16_dynamic_loss_scaling_logs_the_scale_and_skipped_steps(tmp_path):
     run_dir = tmp_path / "run"
     assert_ok(run_train([*TINY, "precision=fp16", "trainer.max_steps=12"], run_dir))

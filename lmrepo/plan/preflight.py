@@ -26,7 +26,8 @@ def check_deepspeed(ds: dict, config: TrainConfig, device: Device, user: UserCon
         require(
             device.fp16,
             f"fp16 is not supported on this {device.type} device (fp16 with dynamic loss scaling needs "
-            f"a GPU or a CPU with AMX-FP16): {fix('fp16.enabled', 'use precision=auto, bf16 or fp32')}",
+            f"a GPU or a CPU with AVX512-FP16, such as a Xeon from Sapphire Rapids on): "
+            f"{fix('fp16.enabled', 'use precision=auto, bf16 or fp32')}",
         )
     if bf16:
         require(
