@@ -7,7 +7,7 @@ writes them as JSON.
 What one configuration leaves in the process is undone before the next: the process groups it
 made (its device mesh's, DeepSpeed's, the save group), DeepSpeed's global groups (AutoTP's mesh,
 the expert groups), transformers' attention functions (sequence parallelism wraps SDPA),
-torch.compile's caches.
+torch.compile's caches, the autograd graph its modules keep of their last forward (drop_graphs).
 
 A case's words may hold the probe's own: `probe.save_at=K` saves a checkpoint after step K, as
 train.py does, in a run directory of the case's own (tests/composition.py's case_dir), training on
@@ -128,6 +128,38 @@ def release(engine) -> None:
         ds.destroy()
 
 
+def case_modules(engine) -> list:
+    """The case's model as modules: FSDP2's module, a torch pipeline's chunks, DeepSpeed's module."""
+    for owner, name in ((engine, "module"), (engine, "chunks"), (getattr(engine, "ds", None), "module")):
+        found = getattr(owner, name, None)
+        if found is not None:
+            return [found] if isinstance(found, torch.nn.Module) else list(found)
+    return []
+
+
+def drop_graphs(engine) -> None:
+    """What the model's modules keep of their last forward's autograd graph: a mixture of experts'
+    load-balancing losses (lmrepo's MoE block's aux_loss and its pipeline forwards, DeepSpeed's
+    MOELayer's l_aux), detached after the case's last step. That graph holds the model from inside
+    autograd, where Python's collector does not look: every MoE case's model outlived it, and with
+    it the 4-7 process groups of each rank that its collectives used (a gloo group's loop thread
+    wakes every 10 ms). In the 4-rank launch of tests/test_fsdp2.py each rank ended with ~110 such
+    loops, ~70 of them the MoE cases'; perf put 12% of the launch's CPU in those threads. The
+    torch pipelines' and sequence parallelism's cases still leave 1-7 groups each: what holds those
+    is not found yet."""
+    for root in case_modules(engine):
+        for module in root.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(module, name, value.detach())
+                elif isinstance(value, list) and any(
+                    isinstance(t, torch.Tensor) and t.grad_fn is not None
+                    for item in value
+                    for t in (item if isinstance(item, tuple) else (item,))
+                ):
+                    value.clear()
+
+
 def compiled_by() -> str:
     """What compiled this configuration's model, from dynamo's counters: inductor (which alone
     uses AOTAutograd's cache), aot_eager (AOTAutograd without it), eager (graphs captured, no
@@ -240,6 +272,7 @@ def run(words: list[str], out: Path, tokenizer, sources) -> dict:
     # inferred by a forward of its own), and what stays held between steps (nothing, where no graph
     # outlives its step)
     activations = gathered({"step": saved.last_step, "between": saved.live}) if saved else None
+    drop_graphs(engine)
     release(engine)
     del engine, data
     return {
